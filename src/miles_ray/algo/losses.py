@@ -1,0 +1,83 @@
+"""Policy losses: pure functions of tensors returning ``(loss, metrics)``.
+
+``ppo_clip_loss`` is the clipped surrogate of PPO/GRPO,
+``-min(ratio * A, clip(ratio, 1-eps_low, 1+eps_high) * A)`` per token, aggregated by ``masked_aggregate``.
+
+Usage::
+
+    loss, metrics = ppo_clip_loss(logprobs, old_logprobs, advantages, mask, clip_low=0.2, clip_high=0.2)
+
+Shapes: ``B`` samples, ``T`` token positions.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]
+
+
+def masked_aggregate(values: torch.Tensor, mask: torch.Tensor, mode: Aggregation = "token_mean") -> torch.Tensor:
+    """Reduce per-token ``values`` ``[B, T]`` over the positions where ``mask`` ``[B, T]`` is 1.
+
+    Modes:
+        token_mean: sum over all tokens / number of tokens (every token weighs the same; DAPO's choice).
+        seq_mean_token_mean: mean over each sequence's tokens, then mean over sequences (original GRPO).
+        seq_mean_token_sum: sum over each sequence's tokens, then mean over sequences (Dr.GRPO-style).
+
+    Raises:
+        ValueError: for an unknown mode or mismatched shapes.
+    """
+    if values.shape != mask.shape:
+        raise ValueError(f"values {tuple(values.shape)} and mask {tuple(mask.shape)} differ in shape")
+    mask = mask.to(values.dtype)
+    if mode == "token_mean":
+        return (values * mask).sum() / mask.sum().clamp(min=1.0)
+    per_seq = (values * mask).sum(dim=-1)
+    if mode == "seq_mean_token_mean":
+        per_seq = per_seq / mask.sum(dim=-1).clamp(min=1.0)
+    elif mode != "seq_mean_token_sum":
+        raise ValueError(f"aggregation must be one of token_mean, seq_mean_token_mean, seq_mean_token_sum; got {mode!r}")
+    return per_seq.mean()
+
+
+def ppo_clip_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    aggregation: Aggregation = "token_mean",
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """PPO clipped surrogate loss (GRPO's policy loss when advantages are group-relative).
+
+    Args:
+        logprobs: ``[B, T]`` current policy log-probabilities of the taken tokens (with grad).
+        old_logprobs: ``[B, T]`` log-probabilities under the policy that produced the data (no grad).
+        advantages: ``[B]`` per-sample or ``[B, T]`` per-token advantages.
+        mask: ``[B, T]`` 1 on trained tokens.
+        clip_low: ratio lower bound is ``1 - clip_low``.
+        clip_high: ratio upper bound is ``1 + clip_high`` (DAPO clip-higher when larger than clip_low).
+        aggregation: how per-token losses are reduced, see ``masked_aggregate``.
+
+    Returns:
+        ``(loss, metrics)`` with metrics ``clipfrac`` (fraction of tokens whose ratio was clipped) and
+        ``approx_kl`` (k3 estimate of KL(old || new) on the masked tokens).
+    """
+    if advantages.dim() == 1:
+        advantages = advantages[:, None].expand_as(logprobs)
+    log_ratio = logprobs - old_logprobs.detach()
+    ratio = torch.exp(log_ratio)
+    unclipped = -ratio * advantages
+    clipped = -torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * advantages
+    per_token = torch.maximum(unclipped, clipped)
+    loss = masked_aggregate(per_token, mask, aggregation)
+    with torch.no_grad():
+        m = mask.to(logprobs.dtype)
+        num_tokens = m.sum().clamp(min=1.0)
+        clipfrac = ((clipped > unclipped).to(m.dtype) * m).sum() / num_tokens
+        approx_kl = ((torch.exp(-log_ratio) - 1 + log_ratio) * m).sum() / num_tokens
+    return loss, {"clipfrac": float(clipfrac), "approx_kl": float(approx_kl)}

@@ -1,0 +1,78 @@
+"""The ``TrainBackend`` interface a trainer rank drives, and the training config shared by backends."""
+
+from __future__ import annotations
+
+from typing import Literal, Protocol
+
+import torch
+from pydantic import Field, model_validator
+
+from miles_ray.config import StrictConfig
+from miles_ray.sync.plan import SyncPlan
+from miles_ray.types import RolloutBatch
+
+
+class PPOClipLossConfig(StrictConfig):
+    """PPO/GRPO clipped policy loss."""
+
+    kind: Literal["ppo_clip"] = "ppo_clip"
+    clip_low: float = Field(0.2, gt=0.0, lt=1.0, description="Ratio lower bound is 1 - clip_low.")
+    clip_high: float = Field(0.2, gt=0.0, le=10.0, description="Ratio upper bound is 1 + clip_high (DAPO: > low).")
+    aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"] = Field(
+        "token_mean", description="How per-token losses are reduced over the global batch."
+    )
+
+
+class OptimizerConfig(StrictConfig):
+    """AdamW settings."""
+
+    lr: float = Field(1e-6, gt=0.0, le=1.0, description="Learning rate.")
+    weight_decay: float = Field(0.0, ge=0.0, le=1.0, description="Decoupled weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="Adam betas, each in [0, 1).")
+    eps: float = Field(1e-8, gt=0.0, description="Adam epsilon.")
+    grad_clip: float = Field(1.0, ge=0.0, description="Max global grad norm; 0 disables clipping.")
+
+    @model_validator(mode="after")
+    def _check_betas(self) -> OptimizerConfig:
+        if not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError(f"betas must each be in [0, 1), got {self.betas}")
+        return self
+
+
+class TorchBackendConfig(StrictConfig):
+    """PyTorch backend: HF ``AutoModelForCausalLM`` wrapped with FSDP2 (``fully_shard``) or DDP."""
+
+    kind: Literal["torch"] = "torch"
+    parallel: Literal["fsdp2", "ddp"] = Field("fsdp2", description="Data-parallel wrapping of the model.")
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="Parameter dtype of the trained model.")
+    micro_batch_size: int = Field(8, ge=1, le=4096, description="Samples per forward/backward on one rank.")
+    gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
+    num_threads: int = Field(1, ge=1, le=256, description="torch intra-op threads per rank.")
+
+
+class TrainBackend(Protocol):
+    """What a trainer rank needs from a backend (torch here; Megatron is another implementation)."""
+
+    def compute_logprobs(self, batch: RolloutBatch, temperature: float) -> torch.Tensor:
+        """``[B, T-1]`` next-token logprobs of ``batch.input_ids`` at ``temperature``."""
+        ...
+
+    def train_step(self, batch: RolloutBatch, temperature: float) -> dict[str, float]:
+        """One optimizer step on this rank's shard; returns metrics averaged over ranks."""
+        ...
+
+    def sync_plan(self, dtype: torch.dtype, bucket_bytes: int) -> SyncPlan:
+        """Bucket plan of the HF-named parameters cast to ``dtype``."""
+        ...
+
+    def gather_bucket(self, bucket, dtype: torch.dtype) -> torch.Tensor | None:
+        """Collective over ranks: the bucket packed as one flat tensor on rank 0, None elsewhere."""
+        ...
+
+    def save(self, path: str) -> None:
+        """Save model and optimizer state (collective)."""
+        ...
+
+    def load(self, path: str) -> None:
+        """Load model and optimizer state saved by ``save`` (collective)."""
+        ...

@@ -1,0 +1,214 @@
+"""PyTorch training backend: HF causal LM, FSDP2 or DDP over a gloo (CPU) / NCCL (GPU) group, AdamW.
+
+Loss normalisation is global: each micro-batch's loss is weighted by its share of the global batch's
+tokens (or sequences), and gradients are all-reduced as a sum-scaled mean, so the update equals the
+one a single rank would make on the whole batch, whatever the micro-batch size or rank count.
+
+Usage (inside a rank whose ``torch.distributed`` default group is initialised)::
+
+    backend = TorchBackend(TorchBackendConfig(), OptimizerConfig(lr=1e-5), PPOClipLossConfig(), model_path)
+    metrics = backend.train_step(batch.shard(rank, world), temperature=1.0)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from miles_ray.backends.base import OptimizerConfig, PPOClipLossConfig, TorchBackendConfig
+from miles_ray.sync.plan import Bucket, SyncPlan, plan_buckets
+from miles_ray.types import RolloutBatch
+
+LossFn = Callable[..., tuple[torch.Tensor, dict[str, float]]]
+
+
+def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``[B, T-1]`` log-probability of each next token. ``logits``: ``[B, T, V]``; ``input_ids``: ``[B, T]``."""
+    logits = logits[:, :-1].float() / temperature
+    return torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, 1:, None])[..., 0]
+
+
+class TorchBackend:
+    """One data-parallel rank of an HF model trained with FSDP2 or DDP."""
+
+    def __init__(
+        self,
+        config: TorchBackendConfig,
+        optim: OptimizerConfig,
+        loss: PPOClipLossConfig,
+        model_path: str,
+        loss_fn: LossFn | None = None,
+    ):
+        from transformers import AutoModelForCausalLM
+
+        from miles_ray.algo.losses import ppo_clip_loss
+
+        self.config, self.optim_config, self.loss_config = config, optim, loss
+        self.loss_fn = loss_fn or ppo_clip_loss
+        torch.set_num_threads(config.num_threads)
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        dtype = torch.float32 if config.dtype == "float32" else torch.bfloat16
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation="sdpa")
+        if config.gradient_checkpointing:
+            model.gradient_checkpointing_enable()
+        model.config.use_cache = False
+        self.hf_model = model.to(self.device)
+        self.model = self._wrap(self.hf_model)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay
+        )
+
+    def _wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        if self.config.parallel == "ddp":
+            from torch.nn.parallel import DistributedDataParallel
+
+            return DistributedDataParallel(model) if self.world_size > 1 else model
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh(self.device.type, (self.world_size,))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model
+
+    def _forward_logprobs(self, input_ids, attention_mask, temperature):
+        out = self.model(input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device))
+        return token_logprobs(out.logits, input_ids.to(self.device), temperature)
+
+    @torch.no_grad()
+    def compute_logprobs(self, batch: RolloutBatch, temperature: float) -> torch.Tensor:
+        """``[B, T-1]`` logprobs of this rank's batch, micro-batched, in fp32 on CPU."""
+        self.model.eval()
+        mbs = self.config.micro_batch_size
+        parts = [
+            self._forward_logprobs(batch.input_ids[i : i + mbs], batch.attention_mask[i : i + mbs], temperature).cpu()
+            for i in range(0, batch.num_samples, mbs)
+        ]
+        return torch.cat(parts)
+
+    def _global_sum(self, value: float) -> float:
+        t = torch.tensor([value], dtype=torch.float64, device=self.device if self.device.type == "cuda" else "cpu")
+        dist.all_reduce(t)
+        return float(t)
+
+    def train_step(
+        self, batch: RolloutBatch, temperature: float, old_logprobs: torch.Tensor | None = None
+    ) -> dict[str, float]:
+        """One optimizer step on this rank's shard of the batch.
+
+        Args:
+            batch: this rank's samples (``RolloutBatch.shard``), advantages filled.
+            temperature: the rollout temperature (logits are divided by it, as the engine did).
+            old_logprobs: ``[B, T-1]`` behaviour-policy logprobs; None uses the current policy's
+                (detached), exact for one optimizer step per rollout batch.
+
+        Returns:
+            Metrics averaged over ranks (token-weighted where per token).
+        """
+        self.model.train()
+        mask_all = batch.response_mask
+        agg = self.loss_config.aggregation
+        local_units = float(mask_all.sum()) if agg == "token_mean" else float(batch.num_samples)
+        global_units = self._global_sum(local_units)
+        mbs = self.config.micro_batch_size
+        sums = {"loss": 0.0, "clipfrac": 0.0, "approx_kl": 0.0, "lp_diff_sum": 0.0, "k3_sum": 0.0, "tokens": 0.0}
+        lp_diff_max = 0.0
+        for i in range(0, batch.num_samples, mbs):
+            sl = slice(i, i + mbs)
+            mask = mask_all[sl].to(self.device)
+            logprobs = self._forward_logprobs(batch.input_ids[sl], batch.attention_mask[sl], temperature)
+            old = logprobs.detach() if old_logprobs is None else old_logprobs[sl].to(self.device)
+            loss, m = self.loss_fn(
+                logprobs, old, batch.advantages[sl].to(self.device), mask,
+                clip_low=self.loss_config.clip_low, clip_high=self.loss_config.clip_high, aggregation=agg,
+            )
+            units = float(mask.sum()) if agg == "token_mean" else float(mask.shape[0])
+            # weight by this micro-batch's share of the global batch; FSDP/DDP average over ranks, so undo it
+            (loss * units / global_units * self.world_size).backward()
+            tokens = float(mask.sum())
+            sums["loss"] += float(loss.detach()) * units
+            sums["clipfrac"] += m["clipfrac"] * tokens
+            sums["approx_kl"] += m["approx_kl"] * tokens
+            with torch.no_grad():
+                rollout = batch.rollout_logprobs[sl].to(self.device)
+                diff = (logprobs.detach() - rollout).abs() * mask
+                log_ratio = rollout - logprobs.detach()  # k3 estimate of KL(rollout || train)
+                sums["k3_sum"] += float(((torch.exp(log_ratio) - 1 - log_ratio) * mask).sum())
+                sums["lp_diff_sum"] += float(diff.sum())
+                lp_diff_max = max(lp_diff_max, float(diff.max()) if diff.numel() else 0.0)
+            sums["tokens"] += tokens
+        grad_norm = self._clip_and_step()
+        reduced = torch.tensor([sums[k] for k in sums] + [local_units], dtype=torch.float64)
+        dist.all_reduce(reduced)
+        r = dict(zip(list(sums) + ["units"], reduced.tolist()))
+        max_t = torch.tensor([lp_diff_max], dtype=torch.float64)
+        dist.all_reduce(max_t, op=dist.ReduceOp.MAX)
+        tokens = max(r["tokens"], 1.0)
+        return {
+            "loss": r["loss"] / max(r["units"], 1.0),
+            "clipfrac": r["clipfrac"] / tokens,
+            "approx_kl": r["approx_kl"] / tokens,
+            "grad_norm": grad_norm,
+            "train_rollout_logprob_abs_diff_mean": r["lp_diff_sum"] / tokens,
+            "train_rollout_logprob_abs_diff_max": float(max_t),
+            "train_rollout_k3_kl": r["k3_sum"] / tokens,
+            "num_tokens": r["tokens"],
+        }
+
+    def _clip_and_step(self) -> float:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        clip = self.optim_config.grad_clip
+        norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        norm = float(norm)
+        if torch.isfinite(torch.tensor(norm)):
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm
+
+    # --- weight sync ----------------------------------------------------------------------------
+    def _named_params(self) -> list[tuple[str, torch.Tensor]]:
+        return list(self.hf_model.named_parameters())
+
+    def sync_plan(self, dtype: torch.dtype, bucket_bytes: int) -> SyncPlan:
+        """Bucket plan over the HF-named parameters (tied ones once), cast to ``dtype``."""
+        return plan_buckets([(n, tuple(p.shape), dtype) for n, p in self._named_params()], bucket_bytes)
+
+    @torch.no_grad()
+    def gather_bucket(self, bucket: Bucket, dtype: torch.dtype) -> torch.Tensor | None:
+        """Collective: gather the bucket's (possibly sharded) parameters; rank 0 returns them packed."""
+        params = dict(self._named_params())
+        flat = torch.empty(bucket.numel, dtype=dtype) if self.rank == 0 else None
+        for m in bucket.tensors:
+            p = params[m.name]
+            full = p.full_tensor() if hasattr(p, "full_tensor") else p  # FSDP2 DTensor: all-gather
+            if flat is not None:
+                flat[m.offset : m.offset + m.numel].copy_(full.detach().reshape(-1).to("cpu", dtype))
+        return flat
+
+    # --- checkpoints ----------------------------------------------------------------------------
+    def save(self, path: str) -> None:
+        """Save model + optimizer with torch distributed checkpoint (sharded, reshardable)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+
+    def load(self, path: str) -> None:
+        """Load a checkpoint written by ``save`` (any rank count)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+__all__ = ["TorchBackend", "token_logprobs"]

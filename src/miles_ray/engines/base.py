@@ -1,0 +1,94 @@
+"""The ``RolloutEngine`` interface every rollout engine implements, and its request/response types.
+
+An engine turns prompt token ids into sampled responses with per-token logprobs, and accepts weight
+updates as HF-named tensors with a version number. The embedded engine implements it in-process;
+server-backed engines (SGLang) implement it over HTTP.
+
+Logprob contract: ``logprobs[j]`` is ``log_softmax(logits / temperature)`` of response token ``j``, the
+distribution the token was drawn from before top-p/top-k truncation. A trainer recomputes the same
+quantity by dividing its logits by the same temperature.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import torch
+from pydantic import Field, model_validator
+
+from miles_ray.config import StrictConfig
+
+
+class SamplingParams(StrictConfig):
+    """How to sample responses for one prompt."""
+
+    n: int = Field(1, ge=1, le=1024, description="Number of responses sampled for the prompt (a GRPO group).")
+    max_new_tokens: int = Field(64, ge=1, le=32768, description="Maximum generated tokens per response.")
+    temperature: float = Field(1.0, ge=0.0, le=10.0, description="Softmax temperature; 0 means greedy.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
+    top_k: int = Field(-1, ge=-1, description="Sample among the k most likely tokens; -1 disables.")
+    stop_token_ids: list[int] = Field(default_factory=list, description="Token ids that end a response (kept).")
+    stop: list[str] = Field(default_factory=list, description="Strings that end a response when generated.")
+    ignore_eos: bool = Field(False, description="Do not stop at the tokenizer's EOS token.")
+    seed: int | None = Field(None, description="Seed for this request's sampling; None draws from the engine RNG.")
+
+    @model_validator(mode="after")
+    def _check(self) -> SamplingParams:
+        if self.top_k == 0:
+            raise ValueError("top_k must be -1 (disabled) or >= 1, got 0")
+        return self
+
+
+@dataclass
+class GenerateRequest:
+    """One prompt to sample ``params.n`` responses for."""
+
+    prompt_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    request_id: str = ""
+
+
+@dataclass
+class Completion:
+    """One sampled response."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" | "length" | "abort"
+    text: str = ""
+
+
+@dataclass
+class GenerateOutput:
+    """The ``n`` responses to one request, with the weight version that generated them."""
+
+    request_id: str
+    completions: list[Completion]
+    weight_version: int
+    engine_id: int = -1
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """What the rollout pool, router and weight broadcaster need from an engine."""
+
+    def generate(self, requests: list[GenerateRequest]) -> list[GenerateOutput]:
+        """Sample responses for a batch of requests."""
+        ...
+
+    def update_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors into the model (a bucket of a weight sync)."""
+        ...
+
+    def set_weight_version(self, version: int) -> None:
+        """Record the version of the weights now loaded."""
+        ...
+
+    def weight_version(self) -> int:
+        """The version of the weights now loaded."""
+        ...
+
+    def weights_checksum(self) -> str:
+        """A checksum of the loaded weights, comparable with ``miles_ray.sync.checksum`` on the trainer."""
+        ...

@@ -1,0 +1,36 @@
+"""Model specs for the embedded engine, and offline model sources (``hub``).
+
+``build_engine_model(path)`` reads ``config.json`` and dispatches on ``model_type`` through
+``ENGINE_MODEL_SPECS``; a new architecture is one module plus one entry there.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from miles_ray.models.llama import LlamaModel
+
+ENGINE_MODEL_SPECS: dict[str, Callable[[Path, torch.dtype], torch.nn.Module]] = {
+    "llama": LlamaModel.from_hf_dir,
+    "qwen2": LlamaModel.from_hf_dir,
+}
+
+
+def build_engine_model(path: str | Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """Build the embedded engine's model for the HF directory ``path``.
+
+    Raises:
+        ValueError: if the directory's ``model_type`` has no registered spec.
+    """
+    path = Path(path)
+    model_type = json.loads((path / "config.json").read_text()).get("model_type")
+    if model_type not in ENGINE_MODEL_SPECS:
+        raise ValueError(f"model_type {model_type!r} has no engine model spec; known: {sorted(ENGINE_MODEL_SPECS)}")
+    return ENGINE_MODEL_SPECS[model_type](path, dtype)
+
+
+__all__ = ["ENGINE_MODEL_SPECS", "LlamaModel", "build_engine_model"]

@@ -1,0 +1,68 @@
+"""Carry out a ``PlacementPlan``: create the Ray placement group and map plan bundles to real bundles.
+
+Ray does not promise that bundle i sits on node/device i, so a probe task in each bundle reports its
+node IP and GPU ids, and plan bundle k is mapped, among bundles of the same shape, to the real ones in (node IP, GPU id) order,
+the ordering Miles uses so that trainer ranks fill devices in order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from miles_ray.placement.plan import PlacementPlan, Slot
+
+
+@dataclass(frozen=True)
+class Placement:
+    """A ready placement group and the real bundle index for every plan bundle."""
+
+    plan: PlacementPlan
+    pg: PlacementGroup
+    bundle_order: tuple[int, ...]
+
+    def strategy(self, slot: Slot) -> PlacementGroupSchedulingStrategy:
+        """Ray scheduling strategy that pins an actor to ``slot``'s bundle."""
+        return PlacementGroupSchedulingStrategy(
+            placement_group=self.pg, placement_group_bundle_index=self.bundle_order[slot.bundle]
+        )
+
+    def options(self, slot: Slot) -> dict:
+        """``actor_cls.options(**placement.options(slot))`` keyword arguments."""
+        return {"num_cpus": slot.num_cpus, "num_gpus": slot.num_gpus, "scheduling_strategy": self.strategy(slot)}
+
+
+@ray.remote(num_cpus=0)
+def _probe() -> tuple[str, tuple[int, ...]]:
+    return ray.util.get_node_ip_address(), tuple(int(g) for g in ray.get_gpu_ids())
+
+
+def create(plan: PlacementPlan, timeout_s: float = 120.0) -> Placement:
+    """Create the plan's placement group, wait until it is ready, and order its bundles.
+
+    Raises:
+        TimeoutError: if the cluster cannot fit the bundles in time (the error lists them).
+    """
+    pg = placement_group(list(plan.bundles), strategy=plan.strategy)
+    ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
+    if not ready:
+        ray.util.remove_placement_group(pg)
+        raise TimeoutError(
+            f"placement group with bundles {list(plan.bundles)} not ready after {timeout_s}s; "
+            f"cluster resources: {ray.cluster_resources()}"
+        )
+    infos = ray.get([
+        _probe.options(scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
+                       num_gpus=0.01 if plan.bundles[i].get("GPU") else 0).remote()
+        for i in range(len(plan.bundles))
+    ])
+    # bundles of one shape are interchangeable: within each shape, plan order follows (node, device)
+    order = list(range(len(plan.bundles)))
+    for shape in {tuple(sorted(b.items())) for b in plan.bundles}:
+        members = [i for i, b in enumerate(plan.bundles) if tuple(sorted(b.items())) == shape]
+        for plan_idx, real_idx in zip(members, sorted(members, key=lambda i: (infos[i][0], infos[i][1], i))):
+            order[plan_idx] = real_idx
+    return Placement(plan, pg, tuple(order))

@@ -1,0 +1,5 @@
+"""Reward functions and verifiable tasks."""
+
+from miles_ray.rewards.reasoning_gym import ReasoningGymTask, ReasoningGymTaskConfig, extract_answer
+
+__all__ = ["ReasoningGymTask", "ReasoningGymTaskConfig", "extract_answer"]

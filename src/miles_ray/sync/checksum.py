@@ -1,0 +1,34 @@
+"""Weight checksums that a trainer and an engine compute independently and compare after a sync.
+
+The checksum is a BLAKE2b digest over ``(name, dtype, shape, bytes)`` of every tensor, in name order,
+so it detects any changed byte, a missing tensor or a renamed one. Tied parameters (the same storage
+under two names) are hashed once, under the first name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+
+import torch
+
+
+def named_tensors_checksum(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """Hex digest of the given tensors (sorted by name).
+
+    Args:
+        named_tensors: ``(name, tensor)`` pairs; tensors are read as raw bytes on CPU.
+    """
+    h = hashlib.blake2b(digest_size=16)
+    seen: set[int] = set()
+    items = sorted(named_tensors, key=lambda kv: kv[0])
+    for name, t in items:
+        t = t.detach()
+        key = (t.data_ptr(), t.numel())  # tied parameters: same memory under two names
+        if key in seen:
+            continue
+        seen.add(key)
+        t = t.cpu().contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(memoryview(t.view(-1).view(torch.uint8).numpy()))
+    return h.hexdigest()

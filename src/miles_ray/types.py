@@ -1,0 +1,123 @@
+"""Data that flows between actors: ``Sample`` (one response) and ``RolloutBatch`` (a padded train batch).
+
+A ``Sample`` is what a rollout function produces and the ``ReplayBuffer`` stores (in the Ray object
+store). ``RolloutBatch.from_samples`` pads a list of samples into the tensors the trainer consumes.
+
+Shapes: ``B`` samples, ``T`` the longest prompt+response length in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class Sample:
+    """One generated response and everything training needs about it.
+
+    Attributes:
+        prompt_ids: prompt token ids.
+        response_ids: generated token ids (including a final stop token if one was sampled).
+        rollout_logprobs: the engine's log-probability of each response token, ``len(response_ids)``.
+        loss_mask: 1 for response tokens the policy generated and is trained on, 0 for tokens it did not
+            (tool outputs in multi-turn rollouts); ``len(response_ids)``.
+        reward: scalar reward, set by the reward function.
+        group_id: samples that answer the same prompt share a group id (GRPO groups).
+        weight_version: the engine weight version that generated the response.
+        finish_reason: ``"stop"`` (stop token/string), ``"length"`` (max tokens) or ``"abort"``.
+        metadata: free-form task data (the reasoning-gym entry, the answer, ...).
+    """
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    rollout_logprobs: list[float]
+    loss_mask: list[int] | None = None
+    reward: float = 0.0
+    group_id: int = 0
+    weight_version: int = 0
+    finish_reason: str = "length"
+    response_text: str = ""
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.loss_mask is None:
+            self.loss_mask = [1] * len(self.response_ids)
+        if not (len(self.response_ids) == len(self.rollout_logprobs) == len(self.loss_mask)):
+            raise ValueError(
+                "Sample: response_ids, rollout_logprobs and loss_mask must have the same length, got "
+                f"{len(self.response_ids)}, {len(self.rollout_logprobs)}, {len(self.loss_mask)}"
+            )
+
+
+@dataclass
+class RolloutBatch:
+    """A right-padded batch of samples as tensors.
+
+    Attributes:
+        input_ids: ``[B, T]`` prompt followed by response, padded with ``pad_id``.
+        attention_mask: ``[B, T]`` 1 on real tokens.
+        response_mask: ``[B, T-1]`` 1 where position ``t+1`` is a trained response token; aligned with
+            next-token logprobs (``logprobs[:, t]`` is the log-probability of ``input_ids[:, t+1]``).
+        rollout_logprobs: ``[B, T-1]`` engine logprobs on the same alignment, 0 elsewhere.
+        advantages: ``[B]`` per-sample advantage (filled by the algorithm).
+        rewards: ``[B]``.
+        weight_versions: ``[B]`` weight version each sample was generated with.
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    response_mask: torch.Tensor
+    rollout_logprobs: torch.Tensor
+    rewards: torch.Tensor
+    advantages: torch.Tensor
+    weight_versions: torch.Tensor
+
+    @property
+    def num_samples(self) -> int:
+        """Number of samples ``B``."""
+        return int(self.input_ids.shape[0])
+
+    @classmethod
+    def from_samples(cls, samples: list[Sample], pad_id: int, advantages: torch.Tensor | None = None) -> RolloutBatch:
+        """Pad ``samples`` into a batch.
+
+        Args:
+            samples: the samples, in order.
+            pad_id: token id used for padding (masked out everywhere).
+            advantages: optional ``[B]`` advantages; zeros if omitted.
+        """
+        if not samples:
+            raise ValueError("RolloutBatch.from_samples: need at least one sample")
+        lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
+        num, width = len(samples), max(lengths)
+        input_ids = torch.full((num, width), pad_id, dtype=torch.long)
+        attention_mask = torch.zeros((num, width), dtype=torch.long)
+        response_mask = torch.zeros((num, width - 1), dtype=torch.float32)
+        rollout_logprobs = torch.zeros((num, width - 1), dtype=torch.float32)
+        for i, s in enumerate(samples):
+            p, r = len(s.prompt_ids), len(s.response_ids)
+            input_ids[i, : p + r] = torch.tensor(s.prompt_ids + s.response_ids, dtype=torch.long)
+            attention_mask[i, : p + r] = 1
+            # logprob index t predicts token t+1, so response token j (at p+j) sits at index p+j-1.
+            response_mask[i, p - 1 : p + r - 1] = torch.tensor(s.loss_mask, dtype=torch.float32)
+            rollout_logprobs[i, p - 1 : p + r - 1] = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
+        return cls(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            response_mask=response_mask,
+            rollout_logprobs=rollout_logprobs,
+            rewards=torch.tensor([s.reward for s in samples], dtype=torch.float32),
+            advantages=advantages if advantages is not None else torch.zeros(num),
+            weight_versions=torch.tensor([s.weight_version for s in samples], dtype=torch.long),
+        )
+
+    def shard(self, rank: int, world_size: int) -> RolloutBatch:
+        """The contiguous slice of samples that data-parallel ``rank`` trains on."""
+        if self.num_samples % world_size:
+            raise ValueError(f"batch of {self.num_samples} samples does not split over {world_size} ranks")
+        per = self.num_samples // world_size
+        sl = slice(rank * per, (rank + 1) * per)
+        return RolloutBatch(**{k: getattr(self, k)[sl] for k in self.__dataclass_fields__})

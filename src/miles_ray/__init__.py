@@ -1,0 +1,54 @@
+"""miles_ray: Ray-native LLM RL post-training (GRPO, PPO) that runs end to end on a CPU and scales to GPU clusters.
+
+Five standalone actors, each with a typed config beside it:
+
+- ``TrainerGroup`` (trainer ranks, torch FSDP2/DDP backend)
+- ``RolloutPool`` (rollout engines; the embedded pure-PyTorch engine by default)
+- ``Router`` (load balancing, health checks, eviction)
+- ``ReplayBuffer`` (sample groups by reference, staleness bound)
+- ``WeightBroadcaster`` (trainer -> engine weight sync, bucketed, versioned, verified)
+
+``miles_ray.placement`` plans colocated or disaggregated placement groups. See ``examples/quickstart.py``.
+"""
+
+from miles_ray import placement
+from miles_ray.actors import (
+    GroupRef,
+    ReplayBuffer,
+    ReplayBufferConfig,
+    RolloutPool,
+    RolloutPoolConfig,
+    Router,
+    RouterConfig,
+    TrainerGroup,
+    TrainerGroupConfig,
+    WeightBroadcaster,
+    WeightBroadcasterConfig,
+    WeightSyncError,
+)
+from miles_ray.engines.base import GenerateRequest, SamplingParams
+from miles_ray.engines.embedded import EmbeddedEngineConfig
+from miles_ray.types import RolloutBatch, Sample
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "EmbeddedEngineConfig",
+    "GenerateRequest",
+    "GroupRef",
+    "ReplayBuffer",
+    "ReplayBufferConfig",
+    "RolloutBatch",
+    "RolloutPool",
+    "RolloutPoolConfig",
+    "Router",
+    "RouterConfig",
+    "Sample",
+    "SamplingParams",
+    "TrainerGroup",
+    "TrainerGroupConfig",
+    "WeightBroadcaster",
+    "WeightBroadcasterConfig",
+    "WeightSyncError",
+    "placement",
+]

@@ -27,6 +27,7 @@ def generate_groups(router, task, params: SamplingParams, num_prompts: int) -> l
         task: a data source + reward with ``next_prompt()`` and ``reward(text, entry)`` (``ReasoningGymTask``).
         params: sampling parameters; ``params.n`` is the group size.
         num_prompts: prompts (groups) to generate.
+
     """
     prompts = [task.next_prompt() for _ in range(num_prompts)]
     futures = [

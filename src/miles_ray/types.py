@@ -29,6 +29,7 @@ class Sample:
         weight_version: the engine weight version that generated the response.
         finish_reason: ``"stop"`` (stop token/string), ``"length"`` (max tokens) or ``"abort"``.
         metadata: free-form task data (the reasoning-gym entry, the answer, ...).
+
     """
 
     prompt_ids: list[int]
@@ -65,6 +66,7 @@ class RolloutBatch:
         advantages: ``[B]`` per-sample advantage (filled by the algorithm).
         rewards: ``[B]``.
         weight_versions: ``[B]`` weight version each sample was generated with.
+
     """
 
     input_ids: torch.Tensor
@@ -88,6 +90,7 @@ class RolloutBatch:
             samples: the samples, in order.
             pad_id: token id used for padding (masked out everywhere).
             advantages: optional ``[B]`` advantages; zeros if omitted.
+
         """
         if not samples:
             raise ValueError("RolloutBatch.from_samples: need at least one sample")

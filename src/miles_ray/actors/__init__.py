@@ -7,7 +7,20 @@ from miles_ray.actors.trainer_group import GRPOAdvantageConfig, TrainerGroup, Tr
 from miles_ray.actors.weight_broadcaster import WeightBroadcaster, WeightBroadcasterConfig, WeightSyncError
 
 __all__ = [
-    "EngineActor", "GRPOAdvantageConfig", "GroupRef", "NoHealthyEngineError", "ReplayBuffer", "ReplayBufferConfig",
-    "RolloutPool", "RolloutPoolConfig", "Router", "RouterConfig", "TrainerGroup", "TrainerGroupConfig",
-    "TrainerWorker", "WeightBroadcaster", "WeightBroadcasterConfig", "WeightSyncError",
+    "EngineActor",
+    "GRPOAdvantageConfig",
+    "GroupRef",
+    "NoHealthyEngineError",
+    "ReplayBuffer",
+    "ReplayBufferConfig",
+    "RolloutPool",
+    "RolloutPoolConfig",
+    "Router",
+    "RouterConfig",
+    "TrainerGroup",
+    "TrainerGroupConfig",
+    "TrainerWorker",
+    "WeightBroadcaster",
+    "WeightBroadcasterConfig",
+    "WeightSyncError",
 ]

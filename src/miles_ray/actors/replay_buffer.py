@@ -57,6 +57,7 @@ class ReplayBuffer:
 
         Raises:
             ValueError: if the groups would exceed ``capacity_groups`` (nothing is added then).
+
         """
         if len(self._groups) + len(groups) > self.config.capacity_groups:
             raise ValueError(
@@ -73,6 +74,7 @@ class ReplayBuffer:
         Args:
             num_groups: groups to return.
             current_version: the trainer's weight version, for the staleness bound.
+
         """
         if num_groups < 1:
             raise ValueError(f"num_groups must be >= 1, got {num_groups}")

@@ -56,6 +56,7 @@ class EngineActor:
 
         Raises:
             ValueError: for an invalid request (the engine stays up).
+
         """
         self.engine._validate(request)
         if self._queue is None:
@@ -125,7 +126,6 @@ class EngineActor:
 
     async def load_buckets(self, plan: SyncPlan, bucket_refs: list[ray.ObjectRef], version: int) -> dict:
         """Load buckets from the object store (colocated sync; zero-copy reads); then set ``version``."""
-
         start = time.perf_counter()
         arrays = await asyncio.gather(*bucket_refs)  # mapped from shared memory, not copied
 
@@ -147,12 +147,15 @@ class RolloutPool:
         slots = placement.plan.engine_slots
         if config.num_engines != len(slots):
             raise ValueError(
-                f"RolloutPoolConfig.num_engines={config.num_engines} but the placement plan has {len(slots)} engine slots"
+                f"RolloutPoolConfig.num_engines={config.num_engines} but the placement plan has "
+                f"{len(slots)} engine slots"
             )
         self.config = config
         remote_cls = ray.remote(EngineActor)
         self._engines = [
-            remote_cls.options(**placement.options(slot), max_concurrency=1000).remote(i, config.engine, config.batch_wait_s)
+            remote_cls.options(**placement.options(slot), max_concurrency=1000).remote(
+                i, config.engine, config.batch_wait_s
+            )
             for i, slot in enumerate(slots)
         ]
         # fail at setup, not on the first request: wait until every engine has loaded its model

@@ -76,6 +76,7 @@ class Router:
         Raises:
             NoHealthyEngineError: when no engine is left.
             ValueError: passed through from the engine for an invalid request.
+
         """
         self._ensure_health_loop()
         last_exc: Exception | None = None

@@ -98,7 +98,9 @@ class TrainerWorker:
         samples = _fetch_samples(group_refs)
         batch = RolloutBatch.from_samples(samples, pad_id)
         batch.advantages = grpo_advantages(
-            batch.rewards, torch.tensor([s.group_id for s in samples]), normalize_std=self.config.advantage.normalize_std
+            batch.rewards,
+            torch.tensor([s.group_id for s in samples]),
+            normalize_std=self.config.advantage.normalize_std,
         )
         return batch, samples
 

@@ -36,7 +36,8 @@ class WeightBroadcasterConfig(StrictConfig):
     """Transport, bucketing and verification of trainer -> engine weight sync."""
 
     transport: Literal["broadcast", "shared_memory"] = Field(
-        "broadcast", description="broadcast (collective group, disaggregated) or shared_memory (object store, colocated)."
+        "broadcast",
+        description="broadcast (collective group, disaggregated) or shared_memory (object store, colocated).",
     )
     backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="Collective backend for `broadcast`.")
     bucket_bytes: int = Field(64 << 20, ge=1 << 10, le=16 << 30, description="Bytes per bucket at most.")
@@ -81,6 +82,7 @@ class WeightBroadcaster:
 
         Raises:
             WeightSyncError: if an engine's version or checksum differs from the trainer's.
+
         """
         start = time.perf_counter()
         verify = self.config.verify
@@ -105,7 +107,9 @@ class WeightBroadcaster:
             sums = ray.get([e.weights_checksum.remote() for e in self._engines])
             bad = [i for i, s in enumerate(sums) if s != sent_checksum]
             if bad:
-                raise WeightSyncError(f"engines {bad} hold checksums {[sums[i] for i in bad]}, trainer sent {sent_checksum}")
+                raise WeightSyncError(
+                    f"engines {bad} hold checksums {[sums[i] for i in bad]}, trainer sent {sent_checksum}"
+                )
             checksum = sent_checksum
         total = self._plan.total_bytes
         self._last = {

@@ -30,9 +30,12 @@ def grpo_advantages(
 
     Raises:
         ValueError: if the shapes differ.
+
     """
     if rewards.shape != group_ids.shape or rewards.dim() != 1:
-        raise ValueError(f"rewards and group_ids must both be [B], got {tuple(rewards.shape)} and {tuple(group_ids.shape)}")
+        raise ValueError(
+            f"rewards and group_ids must both be [B], got {tuple(rewards.shape)} and {tuple(group_ids.shape)}"
+        )
     rewards = rewards.float()
     _, inverse, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
     num_groups = counts.numel()

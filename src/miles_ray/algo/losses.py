@@ -29,6 +29,7 @@ def masked_aggregate(values: torch.Tensor, mask: torch.Tensor, mode: Aggregation
 
     Raises:
         ValueError: for an unknown mode or mismatched shapes.
+
     """
     if values.shape != mask.shape:
         raise ValueError(f"values {tuple(values.shape)} and mask {tuple(mask.shape)} differ in shape")
@@ -39,7 +40,9 @@ def masked_aggregate(values: torch.Tensor, mask: torch.Tensor, mode: Aggregation
     if mode == "seq_mean_token_mean":
         per_seq = per_seq / mask.sum(dim=-1).clamp(min=1.0)
     elif mode != "seq_mean_token_sum":
-        raise ValueError(f"aggregation must be one of token_mean, seq_mean_token_mean, seq_mean_token_sum; got {mode!r}")
+        raise ValueError(
+            f"aggregation must be one of token_mean, seq_mean_token_mean, seq_mean_token_sum; got {mode!r}"
+        )
     return per_seq.mean()
 
 
@@ -66,6 +69,7 @@ def ppo_clip_loss(
     Returns:
         ``(loss, metrics)`` with metrics ``clipfrac`` (fraction of tokens whose ratio was clipped) and
         ``approx_kl`` (k3 estimate of KL(old || new) on the masked tokens).
+
     """
     if advantages.dim() == 1:
         advantages = advantages[:, None].expand_as(logprobs)

@@ -24,10 +24,10 @@ from miles_ray.types import RolloutBatch
 LossFn = Callable[..., tuple[torch.Tensor, dict[str, float]]]
 
 
-def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float) -> torch.Tensor:
-    """``[B, T-1]`` log-probability of each next token. ``logits``: ``[B, T, V]``; ``input_ids``: ``[B, T]``."""
-    logits = logits[:, :-1].float() / temperature
-    return torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, 1:, None])[..., 0]
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Log-probability of each target token. ``logits``: ``[B, K, V]``; ``targets``: ``[B, K]`` -> ``[B, K]``."""
+    logits = logits.float() / temperature
+    return torch.log_softmax(logits, dim=-1).gather(-1, targets[..., None])[..., 0]
 
 
 class TorchBackend:
@@ -49,7 +49,9 @@ class TorchBackend:
         self.loss_fn = loss_fn or ppo_clip_loss
         torch.set_num_threads(config.num_threads)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        )
         dtype = torch.float32 if config.dtype == "float32" else torch.bfloat16
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation="sdpa")
         if config.gradient_checkpointing:
@@ -75,9 +77,21 @@ class TorchBackend:
         fully_shard(model, mesh=mesh)
         return model
 
-    def _forward_logprobs(self, input_ids, attention_mask, temperature):
-        out = self.model(input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device))
-        return token_logprobs(out.logits, input_ids.to(self.device), temperature)
+    def _forward_logprobs(self, input_ids, attention_mask, response_mask, temperature):
+        """``[B, T-1]`` next-token logprobs, computed only from the first response position on.
+
+        The LM head and log-softmax over the vocabulary dominate a small model's cost; prompt positions
+        carry no loss, so their logits are never formed (``logits_to_keep``). Earlier positions are 0.
+        """
+        input_ids = input_ids.to(self.device)
+        width = input_ids.shape[1] - 1
+        nonzero = response_mask.any(dim=0).nonzero()
+        start = int(nonzero[0]) if nonzero.numel() else width - 1
+        keep = torch.arange(start, width, device=self.device)
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.config.autocast == "bfloat16"):
+            out = self.model(input_ids=input_ids, attention_mask=attention_mask.to(self.device), logits_to_keep=keep)
+        lp = token_logprobs(out.logits, input_ids[:, start + 1 :], temperature)
+        return torch.cat([lp.new_zeros(lp.shape[0], start), lp], dim=1)
 
     @torch.no_grad()
     def compute_logprobs(self, batch: RolloutBatch, temperature: float) -> torch.Tensor:
@@ -85,7 +99,12 @@ class TorchBackend:
         self.model.eval()
         mbs = self.config.micro_batch_size
         parts = [
-            self._forward_logprobs(batch.input_ids[i : i + mbs], batch.attention_mask[i : i + mbs], temperature).cpu()
+            self._forward_logprobs(
+                batch.input_ids[i : i + mbs],
+                batch.attention_mask[i : i + mbs],
+                batch.response_mask[i : i + mbs],
+                temperature,
+            ).cpu()
             for i in range(0, batch.num_samples, mbs)
         ]
         return torch.cat(parts)
@@ -108,6 +127,7 @@ class TorchBackend:
 
         Returns:
             Metrics averaged over ranks (token-weighted where per token).
+
         """
         self.model.train()
         mask_all = batch.response_mask
@@ -117,14 +137,21 @@ class TorchBackend:
         mbs = self.config.micro_batch_size
         sums = {"loss": 0.0, "clipfrac": 0.0, "approx_kl": 0.0, "lp_diff_sum": 0.0, "k3_sum": 0.0, "tokens": 0.0}
         lp_diff_max = 0.0
-        for i in range(0, batch.num_samples, mbs):
+        starts = list(range(0, batch.num_samples, mbs))
+        for i in starts:
             sl = slice(i, i + mbs)
+            self._grad_sync(i == starts[-1])  # reduce gradients once, after the last micro-batch
             mask = mask_all[sl].to(self.device)
-            logprobs = self._forward_logprobs(batch.input_ids[sl], batch.attention_mask[sl], temperature)
+            logprobs = self._forward_logprobs(batch.input_ids[sl], batch.attention_mask[sl], mask_all[sl], temperature)
             old = logprobs.detach() if old_logprobs is None else old_logprobs[sl].to(self.device)
             loss, m = self.loss_fn(
-                logprobs, old, batch.advantages[sl].to(self.device), mask,
-                clip_low=self.loss_config.clip_low, clip_high=self.loss_config.clip_high, aggregation=agg,
+                logprobs,
+                old,
+                batch.advantages[sl].to(self.device),
+                mask,
+                clip_low=self.loss_config.clip_low,
+                clip_high=self.loss_config.clip_high,
+                aggregation=agg,
             )
             units = float(mask.sum()) if agg == "token_mean" else float(mask.shape[0])
             # weight by this micro-batch's share of the global batch; FSDP/DDP average over ranks, so undo it
@@ -158,6 +185,12 @@ class TorchBackend:
             "train_rollout_k3_kl": r["k3_sum"] / tokens,
             "num_tokens": r["tokens"],
         }
+
+    def _grad_sync(self, enabled: bool) -> None:
+        if hasattr(self.model, "set_requires_gradient_sync"):  # FSDP2
+            self.model.set_requires_gradient_sync(enabled)
+        elif hasattr(self.model, "require_backward_grad_sync"):  # DDP
+            self.model.require_backward_grad_sync = enabled
 
     def _clip_and_step(self) -> float:
         params = [p for p in self.model.parameters() if p.grad is not None]

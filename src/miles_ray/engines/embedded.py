@@ -67,13 +67,16 @@ class EmbeddedEngine:
 
         Raises:
             ValueError: for an unknown name or a shape mismatch; nothing is copied then.
+
         """
         for name, t in named_tensors:
             if name not in self._params:
                 raise ValueError(f"update_weights: unknown parameter {name!r}")
             if tuple(t.shape) != tuple(self._params[name].shape):
-                raise ValueError(f"update_weights: {name} has shape {tuple(t.shape)}, engine expects "
-                                 f"{tuple(self._params[name].shape)}")
+                raise ValueError(
+                    f"update_weights: {name} has shape {tuple(t.shape)}, engine expects "
+                    f"{tuple(self._params[name].shape)}"
+                )
         with self._lock, torch.no_grad():
             for name, t in named_tensors:
                 self._params[name].copy_(t)
@@ -102,6 +105,7 @@ class EmbeddedEngine:
         Raises:
             ValueError: for an empty prompt, a request with more rows than ``max_batch_size``, or a
                 prompt + ``max_new_tokens`` longer than ``max_seq_len``.
+
         """
         for r in requests:
             self._validate(r)
@@ -128,8 +132,10 @@ class EmbeddedEngine:
             raise ValueError(f"sampling_params.n={r.params.n} exceeds max_batch_size={self.config.max_batch_size}")
         total = len(r.prompt_ids) + r.params.max_new_tokens
         if total > self.config.max_seq_len:
-            raise ValueError(f"prompt ({len(r.prompt_ids)} tokens) + max_new_tokens ({r.params.max_new_tokens}) "
-                             f"exceeds max_seq_len={self.config.max_seq_len}")
+            raise ValueError(
+                f"prompt ({len(r.prompt_ids)} tokens) + max_new_tokens ({r.params.max_new_tokens}) "
+                f"exceeds max_seq_len={self.config.max_seq_len}"
+            )
 
     @torch.no_grad()
     def _generate_batch(self, requests: list[GenerateRequest]) -> list[GenerateOutput]:
@@ -181,8 +187,8 @@ def _decode(engine: EmbeddedEngine, requests: list[GenerateRequest]) -> list[tup
     ids = torch.full((num_prompts, plen), engine.pad_token_id, dtype=torch.long)
     key_valid = torch.zeros((num_prompts, plen), dtype=torch.bool)
     for i, p in enumerate(prompts):  # left padding: every prompt ends at slot plen-1
-        ids[i, plen - len(p):] = torch.tensor(p)
-        key_valid[i, plen - len(p):] = True
+        ids[i, plen - len(p) :] = torch.tensor(p)
+        key_valid[i, plen - len(p) :] = True
     positions = (key_valid.long().cumsum(-1) - 1).clamp(min=0)
     max_new = max(r.params.max_new_tokens for r in requests)
     cache = model.new_cache(num_prompts, plen + max_new)
@@ -194,11 +200,13 @@ def _decode(engine: EmbeddedEngine, requests: list[GenerateRequest]) -> list[tup
     logits, key_valid, next_pos = logits[fan], key_valid[fan], positions[fan, -1] + 1
     params = [requests[i].params for i in fan.tolist()]
     gens = []
-    for i, r in enumerate(requests):
+    for r in requests:
         for j in range(r.params.n):
             seed = r.params.seed
             g = torch.Generator()
-            g.manual_seed(seed * 1000003 + j if seed is not None else int(torch.randint(0, 2**62, (1,), generator=engine._rng)))
+            g.manual_seed(
+                seed * 1000003 + j if seed is not None else int(torch.randint(0, 2**62, (1,), generator=engine._rng))
+            )
             gens.append(g)
     num_rows = len(params)
     out_tokens: list[list[int]] = [[] for _ in range(num_rows)]

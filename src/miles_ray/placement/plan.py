@@ -53,6 +53,7 @@ def colocated(
 
     Raises:
         ValueError: for a non-positive rank count or resources.
+
     """
     _check("num_ranks", num_ranks, 1)
     _check("cpus_per_bundle", cpus_per_bundle, 0.01)
@@ -75,6 +76,7 @@ def disaggregated(
 
     Raises:
         ValueError: for non-positive counts or negative resources.
+
     """
     _check("num_trainer_ranks", num_trainer_ranks, 1)
     _check("num_engines", num_engines, 1)

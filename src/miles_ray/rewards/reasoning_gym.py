@@ -30,7 +30,9 @@ _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 class ReasoningGymTaskConfig(StrictConfig):
     """Which reasoning-gym dataset, and how prompts are phrased."""
 
-    dataset: str = Field("basic_arithmetic", description="reasoning-gym dataset name (e.g. basic_arithmetic, countdown).")
+    dataset: str = Field(
+        "basic_arithmetic", description="reasoning-gym dataset name (e.g. basic_arithmetic, countdown)."
+    )
     dataset_kwargs: dict[str, Any] = Field(default_factory=dict, description="Passed to reasoning_gym.create_dataset.")
     size: int = Field(10_000, ge=1, le=10_000_000, description="Number of distinct problems.")
     seed: int = Field(0, description="Dataset seed (the same seed gives the same problems in the same order).")
@@ -60,7 +62,9 @@ class ReasoningGymTask:
                 config.dataset, size=config.size, seed=config.seed, **config.dataset_kwargs
             )
         except Exception as exc:
-            raise ValueError(f"ReasoningGymTaskConfig.dataset={config.dataset!r} with {config.dataset_kwargs}: {exc}") from exc
+            raise ValueError(
+                f"ReasoningGymTaskConfig.dataset={config.dataset!r} with {config.dataset_kwargs}: {exc}"
+            ) from exc
         self.position = 0
 
     def prompt_ids(self, entry: dict) -> list[int]:
@@ -73,7 +77,10 @@ class ReasoningGymTask:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def next_prompt(self) -> dict:
-        """The next problem in order (wrapping around): ``{"prompt_ids", "entry", "index", "uid"}`` (uid never repeats)."""
+        """The next problem, in order, wrapping around: ``{"prompt_ids", "entry", "index", "uid"}``.
+
+        ``uid`` counts every prompt handed out and never repeats (the GRPO group id).
+        """
         index = self.position % self.config.size
         self.position += 1
         entry = self.dataset[index]

@@ -18,6 +18,7 @@ def named_tensors_checksum(named_tensors: Iterable[tuple[str, torch.Tensor]]) ->
 
     Args:
         named_tensors: ``(name, tensor)`` pairs; tensors are read as raw bytes on CPU.
+
     """
     h = hashlib.blake2b(digest_size=16)
     seen: set[int] = set()

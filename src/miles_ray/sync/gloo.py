@@ -32,6 +32,7 @@ class BroadcastGroup:
 
         Raises:
             ValueError: for a backend other than gloo/nccl.
+
         """
         timeout = datetime.timedelta(seconds=timeout_s)
         store = dist.TCPStore(host, port, world_size, rank == 0, timeout=timeout)

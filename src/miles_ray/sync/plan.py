@@ -66,6 +66,7 @@ def plan_buckets(specs: list[tuple[str, tuple[int, ...], torch.dtype]], bucket_b
 
     Raises:
         ValueError: if ``bucket_bytes`` is not positive or a name repeats.
+
     """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")

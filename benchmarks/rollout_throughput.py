@@ -15,10 +15,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from miles_ray.engines.base import GenerateRequest, SamplingParams
 from miles_ray.engines.embedded import EmbeddedEngine, EmbeddedEngineConfig
-from miles_ray.models.hub import smollm2_135m_dir, tiny_llama_dir
+from miles_ray.models.hub import MODELS, model_dir
 
 p = argparse.ArgumentParser(description=__doc__)
-p.add_argument("--model", choices=["smollm2-135m", "tiny"], default="smollm2-135m")
+p.add_argument("--model", choices=sorted(MODELS), default="smollm2-135m")
 p.add_argument("--batch-sizes", type=int, nargs="+", default=[8, 32])
 p.add_argument("--new-tokens", type=int, default=64)
 p.add_argument("--threads", type=int, default=1)
@@ -26,7 +26,7 @@ p.add_argument("--group-size", type=int, default=1, help="samples per prompt (pr
 args = p.parse_args()
 torch.set_num_threads(args.threads)
 
-path = str(smollm2_135m_dir() if args.model == "smollm2-135m" else tiny_llama_dir())
+path = str(model_dir(args.model))
 tok = AutoTokenizer.from_pretrained(path)
 hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 engine = EmbeddedEngine(
@@ -73,12 +73,13 @@ def run_engine(batch: int) -> float:
     return batch * args.new_tokens / seconds
 
 
-run_engine(2), run_hf(2)  # warm-up
+run_engine(args.group_size), run_hf(args.group_size)  # warm-up
 rows = []
 for batch in args.batch_sizes:
     hf_tps, eng_tps = run_hf(batch), run_engine(batch)
     rows.append(
         {
+            "group_size": args.group_size,
             "model": args.model,
             "batch": batch,
             "new_tokens": args.new_tokens,
@@ -87,4 +88,4 @@ for batch in args.batch_sizes:
             "engine_over_hf": eng_tps / hf_tps,
         }
     )
-emit("rollout_throughput", rows)
+emit(f"rollout_throughput_g{args.group_size}", rows)

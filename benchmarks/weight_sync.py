@@ -25,17 +25,17 @@ from miles_ray.actors import (
     WeightBroadcasterConfig,
 )
 from miles_ray.engines.embedded import EmbeddedEngineConfig
-from miles_ray.models.hub import smollm2_135m_dir, tiny_llama_dir
+from miles_ray.models.hub import MODELS, model_dir
 
 p = argparse.ArgumentParser(description=__doc__)
-p.add_argument("--model", choices=["smollm2-135m", "tiny"], default="smollm2-135m")
+p.add_argument("--model", choices=sorted(MODELS), default="smollm2-135m")
 p.add_argument("--engines", type=int, default=1)
 p.add_argument("--repeats", type=int, default=3)
 p.add_argument("--bucket-mb", type=int, default=64)
 args = p.parse_args()
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
-path = str(smollm2_135m_dir() if args.model == "smollm2-135m" else tiny_llama_dir())
+path = str(model_dir(args.model))
 
 pl = placement.create(placement.disaggregated(1, args.engines))
 trainer = TrainerGroup.remote(TrainerGroupConfig(model_path=path, num_ranks=1), pl)

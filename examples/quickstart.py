@@ -2,7 +2,7 @@
 
 Runs on a laptop CPU (2 cores: ~15 minutes) and, unchanged, on a GPU cluster (pass --address auto).
 
-    python examples/quickstart.py --topology colocated --steps 30
+    python examples/quickstart.py --topology colocated --steps 25
 """
 
 import argparse
@@ -15,31 +15,19 @@ import ray
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
-from miles_ray import placement
-from miles_ray.actors import (
-    ReplayBuffer,
-    ReplayBufferConfig,
-    RolloutPool,
-    RolloutPoolConfig,
-    Router,
-    RouterConfig,
-    TrainerGroup,
-    TrainerGroupConfig,
-    WeightBroadcaster,
-    WeightBroadcasterConfig,
-)
-from miles_ray.engines.base import SamplingParams
+from miles_ray import actors, placement
+from miles_ray.engines import SamplingParams
 from miles_ray.engines.embedded import EmbeddedEngineConfig
-from miles_ray.models.hub import smollm2_135m_dir, tiny_llama_dir
-from miles_ray.report import plot_run
+from miles_ray.models.hub import MODELS, model_dir
+from miles_ray.report import plot_run, read_jsonl
 from miles_ray.rewards import ReasoningGymTask, ReasoningGymTaskConfig
 from miles_ray.rollout import generate_groups
 
 p = argparse.ArgumentParser(description=__doc__)
 p.add_argument("--topology", choices=["colocated", "disaggregated"], default="colocated")
-p.add_argument("--model", choices=["smollm2-135m", "tiny"], default="smollm2-135m")
+p.add_argument("--model", choices=sorted(MODELS), default="smollm2-135m")
 p.add_argument("--steps", type=int, default=25)
-p.add_argument("--num-ranks", type=int, default=2, help="trainer ranks (and engines)")
+p.add_argument("--num-ranks", type=int, default=2, help="trainer ranks (and as many engines)")
 p.add_argument("--prompts-per-step", type=int, default=8)
 p.add_argument("--group-size", type=int, default=8)
 p.add_argument("--max-new-tokens", type=int, default=24)
@@ -50,99 +38,72 @@ args = p.parse_args()
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 ray.init(address=args.address, num_cpus=None if args.address else max(8, os.cpu_count() or 1))
-model_path = str(smollm2_135m_dir() if args.model == "smollm2-135m" else tiny_llama_dir())
-out_dir = Path(args.out)
+model_path, out_dir, n = str(model_dir(args.model)), Path(args.out), args.num_ranks
 out_dir.mkdir(parents=True, exist_ok=True)
-n = args.num_ranks
-gpus = 1.0 if ray.cluster_resources().get("GPU", 0) >= n else 0.0
+gpus = 1.0 if ray.cluster_resources().get("GPU", 0) >= n else 0.0  # one GPU per bundle when there are GPUs
 
-# --- topology: one placement group, five actors -----------------------------------------------
-if args.topology == "colocated":
-    plan, transport = placement.colocated(n, cpus_per_bundle=1, gpus_per_bundle=gpus), "shared_memory"
-else:
+# --- topology: one placement group, five actors -------------------------------------------------
+if args.topology == "colocated":  # trainer rank i and engine i share bundle i; weights go through shared memory
+    plan, transport = placement.colocated(n, gpus_per_bundle=gpus), "shared_memory"
+else:  # trainers and engines on bundles of their own; weights are broadcast over gloo (NCCL on GPUs)
     plan, transport = placement.disaggregated(n, n, gpus_per_trainer=gpus, gpus_per_engine=gpus), "broadcast"
 pl = placement.create(plan)
-temperature = 1.0
-trainer = TrainerGroup.options(name="miles_ray/trainer").remote(
-    TrainerGroupConfig(
-        model_path=model_path,
-        num_ranks=n,
-        temperature=temperature,
-        optimizer={"lr": args.lr},
-        backend={"micro_batch_size": 32, "autocast": "bfloat16"},
-    ),
-    pl,
-)
-pool = RolloutPool.options(name="miles_ray/rollout_pool").remote(
-    RolloutPoolConfig(num_engines=n, engine=EmbeddedEngineConfig(model_path=model_path)), pl
-)
+temperature = 1.0  # the trainer divides its logits by the rollout temperature, as the engine did
+trainer_cfg = actors.TrainerGroupConfig(
+    model_path=model_path, num_ranks=n, temperature=temperature, optimizer={"lr": args.lr},
+    backend={"micro_batch_size": 32, "autocast": "bfloat16"},
+)  # fmt: skip
+trainer = actors.TrainerGroup.options(name="miles_ray/trainer").remote(trainer_cfg, pl)
+pool_cfg = actors.RolloutPoolConfig(num_engines=n, engine=EmbeddedEngineConfig(model_path=model_path))
+pool = actors.RolloutPool.options(name="miles_ray/rollout_pool").remote(pool_cfg, pl)
 engines = ray.get(pool.engines.remote())
-router = Router.options(name="miles_ray/router").remote(RouterConfig(), engines)
-buffer = ReplayBuffer.options(name="miles_ray/replay_buffer").remote(ReplayBufferConfig(max_staleness=0))
-broadcaster = WeightBroadcaster.options(name="miles_ray/weight_broadcaster").remote(
-    WeightBroadcasterConfig(transport=transport), ray.get(trainer.workers.remote()), engines
+router = actors.Router.options(name="miles_ray/router").remote(actors.RouterConfig(), engines)
+buffer = actors.ReplayBuffer.options(name="miles_ray/replay_buffer").remote(actors.ReplayBufferConfig(max_staleness=0))
+broadcaster = actors.WeightBroadcaster.options(name="miles_ray/weight_broadcaster").remote(
+    actors.WeightBroadcasterConfig(transport=transport), ray.get(trainer.workers.remote()), engines
 )
 
-task = ReasoningGymTask(
-    ReasoningGymTaskConfig(
-        dataset="basic_arithmetic",
-        seed=1,
-        instruction="Answer with the final number only.",
-        dataset_kwargs={"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1, "operators": ["+"]},
-    ),
-    AutoTokenizer.from_pretrained(model_path),
-)
+# --- task: one-digit sums and differences, scored by reasoning-gym's own score_answer -------------
+digits = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1, "operators": ["+", "-"]}
+task_cfg = ReasoningGymTaskConfig(
+    dataset="basic_arithmetic", seed=1, dataset_kwargs={**digits, "allow_negation": False, "allow_parentheses": False},
+    system_prompt="You are a calculator. Reply with only the result.", instruction="Reply with just the number.",
+)  # fmt: skip
+task = ReasoningGymTask(task_cfg, AutoTokenizer.from_pretrained(model_path))
 sampling = SamplingParams(n=args.group_size, max_new_tokens=args.max_new_tokens, temperature=temperature)
 
-# --- the GRPO loop: rollout -> buffer -> train -> sync ---------------------------------------
-log = open(out_dir / "metrics.jsonl", "w")
+# --- the GRPO loop: rollout -> buffer -> train -> sync -------------------------------------------
+log_path = out_dir / "metrics.jsonl"
 version = ray.get(trainer.weight_version.remote())
 ray.get(broadcaster.sync.remote(version))
-bar = tqdm(range(args.steps), desc="GRPO")
-for step in bar:
-    t0 = time.perf_counter()
-    groups = generate_groups(router, task, sampling, args.prompts_per_step)
-    ray.get(buffer.add.remote(groups))
-    batch = ray.get(buffer.get_batch.remote(args.prompts_per_step, current_version=version))
-    samples = [s for g in ray.get([g.ref for g in batch]) for s in g]
-    t1 = time.perf_counter()
-    metrics = ray.get(trainer.train_step.remote(batch))
-    t2 = time.perf_counter()
-    version = metrics["weight_version"]
-    sync = ray.get(broadcaster.sync.remote(version))
-    t3 = time.perf_counter()
-    record = {
-        "step": step,
-        "weight_version": version,
-        "reward_mean": sum(s.reward for s in samples) / len(samples),
-        "response_len_mean": sum(len(s.response_ids) for s in samples) / len(samples),
-        "kl": metrics["train_rollout_k3_kl"],
-        "clipfrac": metrics["clipfrac"],
-        "loss": metrics["loss"],
-        "grad_norm": metrics["grad_norm"],
-        "logprob_diff_max": metrics["train_rollout_logprob_abs_diff_max"],
-        "rollout_s": t1 - t0,
-        "train_s": t2 - t1,
-        "sync_s": t3 - t2,
-        "step_s": t3 - t0,
-        "sync_gb_per_s": sync["gb_per_s"],
-        "example": samples[0].response_text[:80],
-    }
-    log.write(json.dumps(record) + "\n")
-    log.flush()
-    bar.set_postfix(
-        reward=f"{record['reward_mean']:.3f}",
-        len=f"{record['response_len_mean']:.1f}",
-        step_s=f"{record['step_s']:.1f}",
-        sync_s=f"{record['sync_s']:.2f}",
-    )
-log.close()
-print("reward curve:", plot_run(out_dir / "metrics.jsonl"))
-first, last = (
-    [json.loads(x) for x in open(out_dir / "metrics.jsonl")][:5],
-    [json.loads(x) for x in open(out_dir / "metrics.jsonl")][-5:],
-)
-print(
-    f"mean reward, first 5 steps: {sum(r['reward_mean'] for r in first) / len(first):.3f}; "
-    f"last 5 steps: {sum(r['reward_mean'] for r in last) / len(last):.3f}"
-)
+with open(log_path, "w") as log, tqdm(range(args.steps), desc="GRPO") as bar:
+    for step in bar:
+        t0 = time.perf_counter()
+        ray.get(buffer.add.remote(generate_groups(router, task, sampling, args.prompts_per_step)))
+        batch = ray.get(buffer.get_batch.remote(args.prompts_per_step, current_version=version))
+        samples = [s for g in ray.get([g.ref for g in batch]) for s in g]
+        t1 = time.perf_counter()
+        metrics = ray.get(trainer.train_step.remote(batch))  # GRPO advantages + PPO-clip, one optimizer step
+        t2 = time.perf_counter()
+        version = metrics["weight_version"]
+        sync = ray.get(broadcaster.sync.remote(version))  # raises if an engine's version or checksum is off
+        t3 = time.perf_counter()
+        record = {
+            "step": step, "weight_version": version,
+            "reward_mean": sum(s.reward for s in samples) / len(samples),
+            "response_len_mean": sum(len(s.response_ids) for s in samples) / len(samples),
+            "kl": metrics["train_rollout_k3_kl"], "clipfrac": metrics["clipfrac"], "loss": metrics["loss"],
+            "grad_norm": metrics["grad_norm"], "logprob_diff_max": metrics["train_rollout_logprob_abs_diff_max"],
+            "rollout_s": t1 - t0, "train_s": t2 - t1, "sync_s": t3 - t2, "step_s": t3 - t0,
+            "sync_gb_per_s": sync["gb_per_s"], "example": samples[0].response_text[:80],
+        }  # fmt: skip
+        log.write(json.dumps(record) + "\n")
+        log.flush()
+        bar.set_postfix(reward=f"{record['reward_mean']:.3f}", len=f"{record['response_len_mean']:.1f}",
+                        step_s=f"{record['step_s']:.1f}", sync_s=f"{record['sync_s']:.2f}")  # fmt: skip
+
+rows = read_jsonl(log_path)
+head, tail = rows[: max(1, len(rows) // 5)], rows[-max(1, len(rows) // 5) :]
+mean = lambda rs: sum(r["reward_mean"] for r in rs) / len(rs)  # noqa: E731
+print(f"reward curve: {plot_run(log_path)}")
+print(f"mean reward, first {len(head)} steps: {mean(head):.3f}; last {len(tail)} steps: {mean(tail):.3f}")

@@ -24,6 +24,8 @@ from miles_ray.actors import (
 from miles_ray.engines.base import SamplingParams
 from miles_ray.engines.embedded import EmbeddedEngineConfig
 from miles_ray.rollout import generate_groups
+from miles_ray.sync import named_tensors_checksum, unpack
+from miles_ray.sync.shm import as_tensor
 
 pytestmark = pytest.mark.e2e
 
@@ -56,9 +58,11 @@ def test_grpo_steps_sync_and_match(ray_cluster, tiny_model_path, topology, recor
     else:
         plan, transport = placement.disaggregated(n, n), "broadcast"
     pl = placement.create(plan)
+    # colocated runs the FSDP2 backend, disaggregated the DDP one: both backends are covered
+    parallel = "fsdp2" if topology == "colocated" else "ddp"
     trainer = TrainerGroup.options(name=f"trainer-{topology}").remote(
         TrainerGroupConfig(
-            model_path=tiny_model_path, num_ranks=n, optimizer={"lr": 1e-3}, backend={"parallel": "fsdp2"}
+            model_path=tiny_model_path, num_ranks=n, optimizer={"lr": 1e-3}, backend={"parallel": parallel}
         ),
         pl,
     )
@@ -138,8 +142,10 @@ def test_checkpoint_round_trip(ray_cluster, tiny_model_path, tmp_path):
     workers = ray.get(trainer.workers.remote())
     plan = ray.get(workers[0].sync_plan.remote("float32", 1 << 30))
 
-    def checksum():
-        return [r for r in ray.get([w.put_weight_buckets.remote(plan, True) for w in workers]) if r][0][1]
+    def checksum():  # of the full (gathered) weights, from the buckets rank 0 puts in the object store
+        refs = [r for r in ray.get([w.put_weight_buckets.remote(plan) for w in workers]) if r][0]
+        named = [t for b, a in zip(plan.buckets, ray.get(refs)) for t in unpack(b, as_tensor(a, b.dtype))]
+        return named_tensors_checksum(named)
 
     before = checksum()
     ray.get(trainer.save.remote(str(tmp_path / "ckpt")))
@@ -150,8 +156,10 @@ def test_checkpoint_round_trip(ray_cluster, tiny_model_path, tmp_path):
     samples = [Sample([1, 2, 3], [4 + i, 5], [-1.0, -1.0], reward=float(i), group_id=0) for i in range(4)]
     ray.get(trainer.train_step.remote([GroupRef(ray.put(samples), 4, 0, 0)]))
     assert checksum() != before
+    assert ray.get(trainer.weight_version.remote()) == 1
     ray.get(trainer.load.remote(str(tmp_path / "ckpt")))
     assert checksum() == before
+    assert ray.get(trainer.weight_version.remote()) == 0
     ray.kill(trainer)
     for w in workers:
         ray.kill(w)

@@ -107,36 +107,47 @@ class EngineActor:
 
         self._sync_group = await asyncio.to_thread(BroadcastGroup.create, host, port, rank, world_size, backend)
 
-    async def receive_broadcast(self, plan: SyncPlan, version: int) -> dict:
-        """Receive every bucket of ``plan`` from group rank 0 and load it; then set ``version``."""
+    async def receive_broadcast(self, plan: SyncPlan, version: int, verify: bool = True) -> dict:
+        """Receive every bucket of ``plan`` from group rank 0 and load it; then set ``version``.
+
+        Returns:
+            ``{"engine_id", "seconds", "checksum"}``; the checksum (of the weights now held) only if ``verify``.
+
+        """
         if self._sync_group is None:
             raise RuntimeError("receive_broadcast before join_sync_group")
 
-        def run() -> float:
-            start = time.perf_counter()
+        def run() -> None:
             for bucket in plan.buckets:
                 flat = torch.empty(bucket.numel, dtype=bucket.dtype)
                 self._sync_group.broadcast(flat)
                 self.engine.update_weights(unpack(bucket, flat))
-            return time.perf_counter() - start
 
-        seconds = await asyncio.to_thread(run)
-        self.engine.set_weight_version(version)
-        return {"engine_id": self.engine_id, "seconds": seconds}
+        return await self._load(run, version, verify)
 
-    async def load_buckets(self, plan: SyncPlan, bucket_refs: list[ray.ObjectRef], version: int) -> dict:
-        """Load buckets from the object store (colocated sync; zero-copy reads); then set ``version``."""
-        start = time.perf_counter()
+    async def load_buckets(self, plan: SyncPlan, bucket_refs: list[ray.ObjectRef], version: int, verify: bool = True):
+        """Load buckets from the object store (colocated sync; zero-copy reads); then set ``version``.
+
+        Returns:
+            As ``receive_broadcast``.
+
+        """
         arrays = await asyncio.gather(*bucket_refs)  # mapped from shared memory, not copied
 
         def run() -> None:
             for bucket, array in zip(plan.buckets, arrays):
                 self.engine.update_weights(unpack(bucket, as_tensor(array, bucket.dtype)))
 
+        return await self._load(run, version, verify)
+
+    async def _load(self, run, version: int, verify: bool) -> dict:
+        start = time.perf_counter()
         await asyncio.to_thread(run)
         seconds = time.perf_counter() - start
         self.engine.set_weight_version(version)
-        return {"engine_id": self.engine_id, "seconds": seconds}
+        # hashing here, right after loading, runs in parallel with the trainer's hash of what it sent
+        checksum = await asyncio.to_thread(self.engine.weights_checksum) if verify else None
+        return {"engine_id": self.engine_id, "seconds": seconds, "checksum": checksum}
 
 
 @ray.remote(num_cpus=0)
@@ -144,20 +155,15 @@ class RolloutPool:
     """Creates and owns the engine actors of a run (one per ``placement.plan.engine_slots`` entry)."""
 
     def __init__(self, config: RolloutPoolConfig, placement: Placement):
-        slots = placement.plan.engine_slots
-        if config.num_engines != len(slots):
-            raise ValueError(
-                f"RolloutPoolConfig.num_engines={config.num_engines} but the placement plan has "
-                f"{len(slots)} engine slots"
-            )
         self.config = config
-        remote_cls = ray.remote(EngineActor)
-        self._engines = [
-            remote_cls.options(**placement.options(slot), max_concurrency=1000).remote(
-                i, config.engine, config.batch_wait_s
-            )
-            for i, slot in enumerate(slots)
-        ]
+        self._engines = placement.spawn(
+            EngineActor,
+            "engine",
+            "RolloutPoolConfig.num_engines",
+            config.num_engines,
+            lambda i: (i, config.engine, config.batch_wait_s),
+            max_concurrency=1000,
+        )
         # fail at setup, not on the first request: wait until every engine has loaded its model
         ray.get([e.health.remote() for e in self._engines])
 

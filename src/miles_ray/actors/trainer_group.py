@@ -13,6 +13,7 @@ Usage::
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 from typing import Literal
@@ -152,19 +153,12 @@ class TrainerWorker:
                     sent += unpack(bucket, flat)
         return named_tensors_checksum(sent) if self.rank == 0 and verify else None
 
-    def put_weight_buckets(self, plan: SyncPlan, verify: bool) -> tuple[list, str | None] | None:
-        """Collective: gather each bucket; rank 0 puts it in the object store. Returns ``([refs], checksum)``."""
+    def put_weight_buckets(self, plan: SyncPlan) -> list | None:
+        """Collective: gather each bucket; rank 0 puts it in the object store and returns the refs."""
         from miles_ray.sync.shm import put_bucket
 
-        refs, sent = [], []
-        for bucket, flat in self._gather(plan):
-            if self.rank == 0:
-                refs.append(put_bucket(flat))
-                if verify:
-                    sent += unpack(bucket, flat)
-        if self.rank != 0:
-            return None
-        return refs, (named_tensors_checksum(sent) if verify else None)
+        refs = [put_bucket(flat) for _, flat in self._gather(plan) if self.rank == 0]
+        return refs if self.rank == 0 else None
 
     def save(self, path: str) -> None:
         """Collective checkpoint save."""
@@ -180,17 +174,11 @@ class TrainerGroup:
     """The driver-facing trainer: owns the rank actors and the weight version."""
 
     def __init__(self, config: TrainerGroupConfig, placement: Placement):
-        slots = placement.plan.trainer_slots
-        if config.num_ranks != len(slots):
-            raise ValueError(
-                f"TrainerGroupConfig.num_ranks={config.num_ranks} but the placement plan has {len(slots)} trainer slots"
-            )
         self.config = config
-        remote_cls = ray.remote(TrainerWorker)
-        self._workers = [
-            remote_cls.options(**placement.options(slot)).remote(rank, len(slots), config)
-            for rank, slot in enumerate(slots)
-        ]
+        n = config.num_ranks
+        self._workers = placement.spawn(
+            TrainerWorker, "trainer", "TrainerGroupConfig.num_ranks", n, lambda rank: (rank, n, config)
+        )
         addr, port = ray.get(self._workers[0].address.remote())
         ray.get([w.init.remote(addr, port) for w in self._workers])
         self._version = 0
@@ -215,9 +203,13 @@ class TrainerGroup:
         return ray.get([w.compute_logprobs.remote(group_refs) for w in self._workers])[0]
 
     def save(self, path: str) -> None:
-        """Checkpoint model and optimizer (torch DCP) into directory ``path``."""
+        """Checkpoint model and optimizer (torch DCP) and the weight version into directory ``path``."""
         ray.get([w.save.remote(path) for w in self._workers])
+        with open(os.path.join(path, "miles_ray_trainer.json"), "w") as f:
+            json.dump({"weight_version": self._version, "num_ranks": len(self._workers)}, f)
 
     def load(self, path: str) -> None:
-        """Load a checkpoint written by ``save``."""
+        """Load a checkpoint written by ``save`` (any rank count); restores the weight version."""
         ray.get([w.load.remote(path) for w in self._workers])
+        with open(os.path.join(path, "miles_ray_trainer.json")) as f:
+            self._version = json.load(f)["weight_version"]

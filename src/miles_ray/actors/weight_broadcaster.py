@@ -26,6 +26,7 @@ import ray
 from pydantic import Field
 
 from miles_ray.config import StrictConfig
+from miles_ray.sync.checksum import named_tensors_checksum
 
 
 class WeightSyncError(RuntimeError):
@@ -90,27 +91,27 @@ class WeightBroadcaster:
             if not self._group_ready:
                 self._setup_group()
             sends = [w.broadcast_weights.remote(self._plan, verify) for w in self._workers]
-            recvs = [e.receive_broadcast.remote(self._plan, version) for e in self._engines]
+            recvs = [e.receive_broadcast.remote(self._plan, version, verify) for e in self._engines]
             sent_checksum = ray.get(sends)[0]
-            ray.get(recvs)
+            loaded = ray.get(recvs)
+            put_s = 0.0  # engines' receive time covers the trainer's gather and send
         else:
-            results = ray.get([w.put_weight_buckets.remote(self._plan, verify) for w in self._workers])
-            refs, sent_checksum = results[0]
-            ray.get([e.load_buckets.remote(self._plan, refs, version) for e in self._engines])
+            refs = [r for r in ray.get([w.put_weight_buckets.remote(self._plan) for w in self._workers]) if r][0]
+            put_s = time.perf_counter() - start
+            loads = [e.load_buckets.remote(self._plan, refs, version, verify) for e in self._engines]
+            # the object-store copies are the bytes the trainer sent: hash them here while engines load
+            sent_checksum = self._checksum_refs(refs) if verify else None
+            loaded = ray.get(loads)
             del refs  # the buckets leave the object store once engines are done
-        transfer_s = time.perf_counter() - start
+        transfer_s = put_s + max(r["seconds"] for r in loaded)  # without hashing
         versions = ray.get([e.weight_version.remote() for e in self._engines])
         if any(v != version for v in versions):
             raise WeightSyncError(f"engines hold versions {versions} after syncing version {version}")
-        checksum = None
         if verify:
-            sums = ray.get([e.weights_checksum.remote() for e in self._engines])
-            bad = [i for i, s in enumerate(sums) if s != sent_checksum]
+            bad = [r["engine_id"] for r in loaded if r["checksum"] != sent_checksum]
             if bad:
-                raise WeightSyncError(
-                    f"engines {bad} hold checksums {[sums[i] for i in bad]}, trainer sent {sent_checksum}"
-                )
-            checksum = sent_checksum
+                held = [r["checksum"] for r in loaded if r["engine_id"] in bad]
+                raise WeightSyncError(f"engines {bad} hold checksums {held}, trainer sent {sent_checksum}")
         total = self._plan.total_bytes
         self._last = {
             "seconds": time.perf_counter() - start,
@@ -119,9 +120,19 @@ class WeightBroadcaster:
             "gb_per_s": total / transfer_s / 1e9,
             "num_buckets": len(self._plan.buckets),
             "version": version,
-            "checksum": checksum,
+            "checksum": sent_checksum,
         }
         return dict(self._last)
+
+    def _checksum_refs(self, refs: list) -> str:
+        from miles_ray.sync.plan import unpack
+        from miles_ray.sync.shm import as_tensor
+
+        arrays = ray.get(refs)
+        named = []
+        for bucket, array in zip(self._plan.buckets, arrays):
+            named += unpack(bucket, as_tensor(array, bucket.dtype))
+        return named_tensors_checksum(named)
 
     def last_report(self) -> dict:
         """The report of the most recent sync."""

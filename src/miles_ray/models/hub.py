@@ -119,3 +119,18 @@ def tiny_llama_dir(
         tok.save_pretrained(tmp)
 
     return _atomic_save(target, write)
+
+
+MODELS = {"smollm2-135m": smollm2_135m_dir, "tiny": tiny_llama_dir}
+
+
+def model_dir(name: str) -> Path:
+    """HF directory of a built-in offline model by name (``smollm2-135m`` or ``tiny``).
+
+    Raises:
+        ValueError: for an unknown name.
+
+    """
+    if name not in MODELS:
+        raise ValueError(f"model must be one of {sorted(MODELS)}, got {name!r}")
+    return MODELS[name]()

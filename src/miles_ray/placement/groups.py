@@ -34,6 +34,29 @@ class Placement:
         """``actor_cls.options(**placement.options(slot))`` keyword arguments."""
         return {"num_cpus": slot.num_cpus, "num_gpus": slot.num_gpus, "scheduling_strategy": self.strategy(slot)}
 
+    def spawn(self, cls: type, role: str, count_field: str, count: int, make_args, **options) -> list:
+        """Start one ``cls`` actor per ``role`` slot (``"trainer"`` or ``"engine"``) of the plan.
+
+        Args:
+            cls: the (undecorated) actor class.
+            role: which slots of the plan to fill.
+            count_field: the config field that asked for ``count`` actors, named in the error.
+            count: how many actors the config asked for; must equal the plan's slot count.
+            make_args: ``index -> tuple`` of constructor arguments.
+            options: extra ``.options(...)`` for every actor (e.g. ``max_concurrency``).
+
+        Raises:
+            ValueError: if ``count`` differs from the number of slots.
+
+        """
+        slots = self.plan.trainer_slots if role == "trainer" else self.plan.engine_slots
+        if count != len(slots):
+            raise ValueError(f"{count_field}={count} but the placement plan has {len(slots)} {role} slots")
+        remote_cls = ray.remote(cls)
+        return [
+            remote_cls.options(**self.options(slot), **options).remote(*make_args(i)) for i, slot in enumerate(slots)
+        ]
+
 
 @ray.remote(num_cpus=0)
 def _probe() -> tuple[str, tuple[int, ...]]:

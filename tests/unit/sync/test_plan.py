@@ -12,8 +12,10 @@ def test_buckets_respect_size_and_dtype():
         ("d", (10,), torch.float32),
     ]
     plan = plan_buckets(specs, bucket_bytes=32)  # 8 fp32 elements per bucket
-    assert [[m.name for m in b.tensors] for b in plan.buckets] == [["a", "b"], ["d"], ["c"]]
-    assert plan.buckets[0].numel == 8 and plan.buckets[1].nbytes == 40  # oversize tensor gets its own bucket
+    # a full bucket closes when the next tensor would overflow it; open buckets close at the end in open order
+    assert [[m.name for m in b.tensors] for b in plan.buckets] == [["a", "b"], ["c"], ["d"]]
+    assert [b.dtype for b in plan.buckets] == [torch.float32, torch.bfloat16, torch.float32]
+    assert plan.buckets[0].numel == 8 and plan.buckets[2].nbytes == 40  # oversize tensor gets its own bucket
     assert plan.total_bytes == 32 + 40 + 4
 
 

@@ -54,6 +54,7 @@ def ppo_clip_loss(
     clip_low: float = 0.2,
     clip_high: float = 0.2,
     aggregation: Aggregation = "token_mean",
+    dual_clip: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO clipped surrogate loss (GRPO's policy loss when advantages are group-relative).
 
@@ -65,6 +66,8 @@ def ppo_clip_loss(
         clip_low: ratio lower bound is ``1 - clip_low``.
         clip_high: ratio upper bound is ``1 + clip_high`` (DAPO clip-higher when larger than clip_low).
         aggregation: how per-token losses are reduced, see ``masked_aggregate``.
+        dual_clip: dual-clip constant ``c > 1``: for negative advantages the loss is capped at ``-c * A``
+            so a huge ratio on a bad token cannot blow up the update. None disables it.
 
     Returns:
         ``(loss, metrics)`` with metrics ``clipfrac`` (fraction of tokens whose ratio was clipped) and
@@ -78,6 +81,10 @@ def ppo_clip_loss(
     unclipped = -ratio * advantages
     clipped = -torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * advantages
     per_token = torch.maximum(unclipped, clipped)
+    if dual_clip is not None:
+        if dual_clip <= 1.0:
+            raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
+        per_token = torch.where(advantages < 0, torch.minimum(per_token, -dual_clip * advantages), per_token)
     loss = masked_aggregate(per_token, mask, aggregation)
     with torch.no_grad():
         m = mask.to(logprobs.dtype)
@@ -85,3 +92,40 @@ def ppo_clip_loss(
         clipfrac = ((clipped > unclipped).to(m.dtype) * m).sum() / num_tokens
         approx_kl = ((torch.exp(-log_ratio) - 1 + log_ratio) * m).sum() / num_tokens
     return loss, {"clipfrac": float(clipfrac), "approx_kl": float(approx_kl)}
+
+
+def gspo_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float = 3e-4,
+    clip_high: float = 4e-4,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """GSPO: PPO clipping on the sequence-level ratio ``exp(mean_t log_ratio_t)`` (length-normalised).
+
+    Gradients flow through every token as ``s_i * sg(...)``: the token-level form of GSPO, which equals the
+    sequence objective's gradient.
+
+    Args:
+        logprobs: ``[B, T]`` current logprobs (with grad).
+        old_logprobs: ``[B, T]`` behaviour logprobs.
+        advantages: ``[B]`` sequence advantages.
+        mask: ``[B, T]``.
+        clip_low: sequence ratio lower bound ``1 - clip_low`` (GSPO uses ~3e-4).
+        clip_high: upper bound ``1 + clip_high`` (GSPO uses ~4e-4).
+
+    Returns:
+        ``(loss, metrics)``; the loss is the mean over sequences; metrics ``clipfrac`` (of sequences).
+
+    """
+    m = mask.to(logprobs.dtype)
+    lengths = m.sum(dim=-1).clamp(min=1.0)
+    log_ratio = ((logprobs - old_logprobs.detach()) * m).sum(dim=-1) / lengths
+    ratio = torch.exp(log_ratio)
+    unclipped = -ratio * advantages
+    clipped = -torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * advantages
+    per_seq = torch.maximum(unclipped, clipped)
+    with torch.no_grad():
+        clipfrac = float((clipped > unclipped).float().mean())
+    return per_seq.mean(), {"clipfrac": clipfrac, "seq_ratio_mean": float(ratio.detach().mean())}

@@ -36,6 +36,9 @@ from miles_ray.rewards import ReasoningGymTaskConfig
         (TrainerGroupConfig, {"model_path": "x", "num_ranks": 0}, "num_ranks"),
         (TrainerGroupConfig, {"model_path": "x", "old_logprobs": "stale"}, "old_logprobs"),
         (ReasoningGymTaskConfig, {"size": 0}, "size"),
+        (PPOClipLossConfig, {"dual_clip": 1.0}, "dual_clip"),
+        (TrainerGroupConfig, {"model_path": "x", "advantage": {"kind": "vtrace"}}, "advantage"),
+        (TrainerGroupConfig, {"model_path": "x", "loss": {"kind": "gspo", "aggregation": "token_mean"}}, "aggregation"),
     ],
 )
 def test_bad_value_names_the_field(cls, kwargs, field):
@@ -74,3 +77,10 @@ def test_every_field_is_described():
         for name, f in cls.model_fields.items():
             if name != "kind":
                 assert f.description, f"{cls.__name__}.{name} has no description"
+
+
+def test_objectives_are_discriminated_unions():
+    cfg = TrainerGroupConfig(model_path="x", advantage={"kind": "rloo"}, loss={"kind": "gspo", "clip_high": 1e-3})
+    assert type(cfg.advantage).__name__ == "RLOOAdvantageConfig"
+    assert type(cfg.loss).__name__ == "GSPOLossConfig" and cfg.loss.clip_high == 1e-3
+    assert TrainerGroupConfig(model_path="x").loss.kind == "ppo_clip"

@@ -3,12 +3,11 @@
 from miles_ray.actors.replay_buffer import GroupRef, ReplayBuffer, ReplayBufferConfig
 from miles_ray.actors.rollout_pool import EngineActor, RolloutPool, RolloutPoolConfig
 from miles_ray.actors.router import NoHealthyEngineError, Router, RouterConfig
-from miles_ray.actors.trainer_group import GRPOAdvantageConfig, TrainerGroup, TrainerGroupConfig, TrainerWorker
+from miles_ray.actors.trainer_group import TrainerGroup, TrainerGroupConfig, TrainerWorker
 from miles_ray.actors.weight_broadcaster import WeightBroadcaster, WeightBroadcasterConfig, WeightSyncError
 
 __all__ = [
     "EngineActor",
-    "GRPOAdvantageConfig",
     "GroupRef",
     "NoHealthyEngineError",
     "ReplayBuffer",

@@ -22,20 +22,19 @@ import ray
 import torch
 from pydantic import Field
 
-from miles_ray.algo.advantages import grpo_advantages
-from miles_ray.backends.base import OptimizerConfig, PPOClipLossConfig, TorchBackendConfig
+from miles_ray.backends.base import OptimizerConfig, TorchBackendConfig
+from miles_ray.backends.objectives import (
+    AdvantageConfig,
+    GRPOAdvantageConfig,
+    LossConfig,
+    PPOClipLossConfig,
+    compute_advantages,
+)
 from miles_ray.config import StrictConfig
 from miles_ray.placement.groups import Placement
 from miles_ray.sync.checksum import named_tensors_checksum
 from miles_ray.sync.plan import SyncPlan, unpack
 from miles_ray.types import RolloutBatch, Sample
-
-
-class GRPOAdvantageConfig(StrictConfig):
-    """Group-relative advantages (``normalize_std=False`` is Dr.GRPO)."""
-
-    kind: Literal["grpo"] = "grpo"
-    normalize_std: bool = Field(True, description="Divide by the group's reward std.")
 
 
 class TrainerGroupConfig(StrictConfig):
@@ -45,8 +44,10 @@ class TrainerGroupConfig(StrictConfig):
     num_ranks: int = Field(1, ge=1, le=65536, description="Data-parallel trainer ranks.")
     backend: TorchBackendConfig = Field(default_factory=TorchBackendConfig, description="Training backend.")
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, description="Optimizer settings.")
-    loss: PPOClipLossConfig = Field(default_factory=PPOClipLossConfig, description="Policy loss.")
-    advantage: GRPOAdvantageConfig = Field(default_factory=GRPOAdvantageConfig, description="Advantage estimator.")
+    loss: LossConfig = Field(default_factory=PPOClipLossConfig, description="Policy loss (ppo_clip | gspo).")
+    advantage: AdvantageConfig = Field(
+        default_factory=GRPOAdvantageConfig, description="Advantage estimator (grpo | rloo | reinforce_pp)."
+    )
     temperature: float = Field(
         1.0, gt=0.0, le=10.0, description="Rollout sampling temperature; the trainer's logits are divided by it."
     )
@@ -98,11 +99,8 @@ class TrainerWorker:
     def _batch(self, group_refs: list, pad_id: int = 0) -> tuple[RolloutBatch, list[Sample]]:
         samples = _fetch_samples(group_refs)
         batch = RolloutBatch.from_samples(samples, pad_id)
-        batch.advantages = grpo_advantages(
-            batch.rewards,
-            torch.tensor([s.group_id for s in samples]),
-            normalize_std=self.config.advantage.normalize_std,
-        )
+        group_ids = torch.tensor([s.group_id for s in samples])
+        batch.advantages = compute_advantages(self.config.advantage, batch.rewards, group_ids, batch.response_mask)
         return batch, samples
 
     def train_step(self, group_refs: list) -> dict[str, float]:

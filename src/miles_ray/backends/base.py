@@ -12,17 +12,6 @@ from miles_ray.sync.plan import SyncPlan
 from miles_ray.types import RolloutBatch
 
 
-class PPOClipLossConfig(StrictConfig):
-    """PPO/GRPO clipped policy loss."""
-
-    kind: Literal["ppo_clip"] = "ppo_clip"
-    clip_low: float = Field(0.2, gt=0.0, lt=1.0, description="Ratio lower bound is 1 - clip_low.")
-    clip_high: float = Field(0.2, gt=0.0, le=10.0, description="Ratio upper bound is 1 + clip_high (DAPO: > low).")
-    aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"] = Field(
-        "token_mean", description="How per-token losses are reduced over the global batch."
-    )
-
-
 class OptimizerConfig(StrictConfig):
     """AdamW settings."""
 

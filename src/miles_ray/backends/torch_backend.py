@@ -17,7 +17,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from miles_ray.backends.base import OptimizerConfig, PPOClipLossConfig, TorchBackendConfig
+from miles_ray.backends.base import OptimizerConfig, TorchBackendConfig
+from miles_ray.backends.objectives import GSPOLossConfig, PPOClipLossConfig, resolve_loss
 from miles_ray.sync.plan import Bucket, SyncPlan, plan_buckets
 from miles_ray.types import RolloutBatch
 
@@ -37,16 +38,15 @@ class TorchBackend:
         self,
         config: TorchBackendConfig,
         optim: OptimizerConfig,
-        loss: PPOClipLossConfig,
+        loss: PPOClipLossConfig | GSPOLossConfig,
         model_path: str,
         loss_fn: LossFn | None = None,
     ):
         from transformers import AutoModelForCausalLM
 
-        from miles_ray.algo.losses import ppo_clip_loss
-
         self.config, self.optim_config, self.loss_config = config, optim, loss
-        self.loss_fn = loss_fn or ppo_clip_loss
+        selected, self.loss_kwargs = resolve_loss(loss)
+        self.loss_fn = loss_fn or selected
         torch.set_num_threads(config.num_threads)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.device = (
@@ -131,11 +131,11 @@ class TorchBackend:
         """
         self.model.train()
         mask_all = batch.response_mask
-        agg = self.loss_config.aggregation
-        local_units = float(mask_all.sum()) if agg == "token_mean" else float(batch.num_samples)
+        per_token = self.loss_config.normalizer == "tokens"
+        local_units = float(mask_all.sum()) if per_token else float(batch.num_samples)
         global_units = self._global_sum(local_units)
         mbs = self.config.micro_batch_size
-        sums = {"loss": 0.0, "clipfrac": 0.0, "approx_kl": 0.0, "lp_diff_sum": 0.0, "k3_sum": 0.0, "tokens": 0.0}
+        sums = {"loss": 0.0, "lp_diff_sum": 0.0, "k3_sum": 0.0, "tokens": 0.0}
         lp_diff_max = 0.0
         starts = list(range(0, batch.num_samples, mbs))
         for i in starts:
@@ -144,22 +144,15 @@ class TorchBackend:
             mask = mask_all[sl].to(self.device)
             logprobs = self._forward_logprobs(batch.input_ids[sl], batch.attention_mask[sl], mask_all[sl], temperature)
             old = logprobs.detach() if old_logprobs is None else old_logprobs[sl].to(self.device)
-            loss, m = self.loss_fn(
-                logprobs,
-                old,
-                batch.advantages[sl].to(self.device),
-                mask,
-                clip_low=self.loss_config.clip_low,
-                clip_high=self.loss_config.clip_high,
-                aggregation=agg,
-            )
-            units = float(mask.sum()) if agg == "token_mean" else float(mask.shape[0])
+            adv = batch.advantages[sl].to(self.device)
+            loss, m = self.loss_fn(logprobs, old, adv, mask, **self.loss_kwargs)
+            units = float(mask.sum()) if per_token else float(mask.shape[0])
             # weight by this micro-batch's share of the global batch; FSDP/DDP average over ranks, so undo it
             (loss * units / global_units * self.world_size).backward()
             tokens = float(mask.sum())
             sums["loss"] += float(loss.detach()) * units
-            sums["clipfrac"] += m["clipfrac"] * tokens
-            sums["approx_kl"] += m["approx_kl"] * tokens
+            for k, v in m.items():  # the loss's own metrics, token-weighted
+                sums[f"m/{k}"] = sums.get(f"m/{k}", 0.0) + v * tokens
             with torch.no_grad():
                 rollout = batch.rollout_logprobs[sl].to(self.device)
                 diff = (logprobs.detach() - rollout).abs() * mask
@@ -175,10 +168,10 @@ class TorchBackend:
         max_t = torch.tensor([lp_diff_max], dtype=torch.float64)
         dist.all_reduce(max_t, op=dist.ReduceOp.MAX)
         tokens = max(r["tokens"], 1.0)
+        metrics = {k[2:]: v / tokens for k, v in r.items() if k.startswith("m/")}
         return {
+            **metrics,
             "loss": r["loss"] / max(r["units"], 1.0),
-            "clipfrac": r["clipfrac"] / tokens,
-            "approx_kl": r["approx_kl"] / tokens,
             "grad_norm": grad_norm,
             "train_rollout_logprob_abs_diff_mean": r["lp_diff_sum"] / tokens,
             "train_rollout_logprob_abs_diff_max": float(max_t),

@@ -1,0 +1,108 @@
+"""Typed selection of the RL objective: advantage estimators and policy losses as discriminated unions.
+
+``TrainerGroupConfig(advantage={"kind": "rloo"}, loss={"kind": "gspo"})`` picks the pure functions in
+``miles_ray.algo``; ``resolve_loss`` and ``compute_advantages`` are the only places that map configs to them.
+
+Usage::
+
+    fn, kwargs = resolve_loss(PPOClipLossConfig(clip_high=0.28))
+    loss, metrics = fn(logprobs, old_logprobs, advantages, mask, **kwargs)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Annotated, Literal
+
+import torch
+from pydantic import Field
+
+from miles_ray.algo import gspo_loss, ppo_clip_loss, reinforce_pp_advantages, rloo_advantages
+from miles_ray.algo.advantages import grpo_advantages
+from miles_ray.config import StrictConfig
+
+
+class PPOClipLossConfig(StrictConfig):
+    """PPO/GRPO clipped policy loss (DAPO clip-higher when ``clip_high > clip_low``; optional dual clip)."""
+
+    kind: Literal["ppo_clip"] = "ppo_clip"
+    clip_low: float = Field(0.2, gt=0.0, lt=1.0, description="Ratio lower bound is 1 - clip_low.")
+    clip_high: float = Field(0.2, gt=0.0, le=10.0, description="Ratio upper bound is 1 + clip_high (DAPO: > low).")
+    aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"] = Field(
+        "token_mean", description="How per-token losses are reduced over the global batch."
+    )
+    dual_clip: float | None = Field(None, gt=1.0, description="Dual-clip constant c > 1 for negative advantages.")
+
+    @property
+    def normalizer(self) -> Literal["tokens", "sequences"]:
+        """What the global batch loss is averaged over."""
+        return "tokens" if self.aggregation == "token_mean" else "sequences"
+
+
+class GSPOLossConfig(StrictConfig):
+    """GSPO: clipping on the length-normalised sequence ratio."""
+
+    kind: Literal["gspo"] = "gspo"
+    clip_low: float = Field(3e-4, gt=0.0, lt=1.0, description="Sequence ratio lower bound is 1 - clip_low.")
+    clip_high: float = Field(4e-4, gt=0.0, le=10.0, description="Sequence ratio upper bound is 1 + clip_high.")
+
+    @property
+    def normalizer(self) -> Literal["tokens", "sequences"]:
+        """What the global batch loss is averaged over."""
+        return "sequences"
+
+
+LossConfig = Annotated[PPOClipLossConfig | GSPOLossConfig, Field(discriminator="kind")]
+
+
+def resolve_loss(config: PPOClipLossConfig | GSPOLossConfig) -> tuple[Callable, dict]:
+    """The loss function a config selects and the keyword arguments to call it with."""
+    fn = {"ppo_clip": ppo_clip_loss, "gspo": gspo_loss}[config.kind]
+    return fn, config.model_dump(exclude={"kind"})
+
+
+class GRPOAdvantageConfig(StrictConfig):
+    """Group-relative advantages (``normalize_std=False`` is Dr.GRPO)."""
+
+    kind: Literal["grpo"] = "grpo"
+    normalize_std: bool = Field(True, description="Divide by the group's reward std.")
+
+
+class RLOOAdvantageConfig(StrictConfig):
+    """Leave-one-out baseline within each group."""
+
+    kind: Literal["rloo"] = "rloo"
+
+
+class ReinforcePPAdvantageConfig(StrictConfig):
+    """REINFORCE++: batch-normalised returns; ``group_baseline`` subtracts the group mean first."""
+
+    kind: Literal["reinforce_pp"] = "reinforce_pp"
+    group_baseline: bool = Field(False, description="Subtract the group mean reward before normalising.")
+
+
+AdvantageConfig = Annotated[
+    GRPOAdvantageConfig | RLOOAdvantageConfig | ReinforcePPAdvantageConfig, Field(discriminator="kind")
+]
+
+
+def compute_advantages(
+    config: GRPOAdvantageConfig | RLOOAdvantageConfig | ReinforcePPAdvantageConfig,
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    response_mask: torch.Tensor,
+) -> torch.Tensor:
+    """Advantages for a batch: ``[B]`` (GRPO, RLOO) or ``[B, T]`` token advantages (REINFORCE++).
+
+    Args:
+        config: the selected estimator.
+        rewards: ``[B]``.
+        group_ids: ``[B]``.
+        response_mask: ``[B, T]``.
+
+    """
+    if config.kind == "grpo":
+        return grpo_advantages(rewards, group_ids, normalize_std=config.normalize_std)
+    if config.kind == "rloo":
+        return rloo_advantages(rewards, group_ids)
+    return reinforce_pp_advantages(rewards, response_mask, group_ids if config.group_baseline else None)

@@ -164,3 +164,33 @@ def test_checkpoint_round_trip(ray_cluster, tiny_model_path, tmp_path):
     for w in workers:
         ray.kill(w)
     ray.util.remove_placement_group(pl.pg)
+
+
+def test_failing_reward_gives_zero_weight_and_run_goes_on(ray_cluster, tiny_model_path):
+    from miles_ray.rewards.safe import SafeReward
+
+    pl = placement.create(placement.disaggregated(1, 1))
+    pool = RolloutPool.remote(
+        RolloutPoolConfig(num_engines=1, engine=EmbeddedEngineConfig(model_path=tiny_model_path)), pl
+    )
+    engines = ray.get(pool.engines.remote())
+    router = Router.remote(RouterConfig(), engines)
+    task = ShortResponseTask(AutoTokenizer.from_pretrained(tiny_model_path))
+    calls = []
+
+    def flaky(text, entry):  # every other call raises: a buggy reward function
+        calls.append(text)
+        if len(calls) % 2 == 0:
+            raise RuntimeError("grader crashed")
+        return task.reward(text, entry)
+
+    groups = generate_groups(router, task, SamplingParams(n=4, max_new_tokens=6), 2, reward=SafeReward(flaky))
+    samples = [s for g in ray.get([g.ref for g in groups]) for s in g]
+    failed = [s for s in samples if "reward_failure" in s.metadata]
+    assert len(samples) == 8 and len(failed) == 4
+    assert all(s.loss_mask == [0] * len(s.response_ids) and s.reward == 0.0 for s in failed)
+    assert all("grader crashed" in s.metadata["reward_failure"] for s in failed)
+    assert all(sum(s.loss_mask) == len(s.response_ids) for s in samples if s not in failed)
+    ray.kill(engines[0])
+    ray.kill(router)
+    ray.util.remove_placement_group(pl.pg)

@@ -1,0 +1,90 @@
+"""Reward functions as an extension point: a callable or an import path, resolved once, run defensively.
+
+A reward function takes ``(response_text, entry)`` and returns a float; it may be ``async``. ``SafeReward``
+runs it with a timeout and turns every failure (an exception, a timeout, a NaN/inf or non-numeric result)
+into a recorded ``RewardFailure`` instead of an exception, so one bad sample never stops a run. The
+rollout function gives such a sample zero weight (its loss mask is zeroed) and records why.
+
+Usage::
+
+    reward = SafeReward("my_pkg.rewards:exact_match", timeout_s=10)   # or SafeReward(my_fn)
+    value, failure = reward("42", {"answer": "42"})                   # (1.0, None) or (0.0, RewardFailure)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import importlib
+import inspect
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class RewardFailure:
+    """Why a reward could not be computed."""
+
+    kind: str  # "exception" | "timeout" | "invalid"
+    message: str
+
+
+def resolve_callable(spec: str | Callable, what: str = "callable") -> Callable:
+    """Resolve ``"pkg.module:attr"`` / ``"pkg.module.attr"`` or return a callable as is.
+
+    Raises:
+        ValueError: if the path cannot be imported or does not name a callable.
+
+    """
+    if callable(spec):
+        return spec
+    if not isinstance(spec, str) or not spec:
+        raise ValueError(f"{what} must be a callable or an import path 'pkg.module:attr', got {spec!r}")
+    module_name, sep, attr = spec.partition(":")
+    if not sep:
+        module_name, _, attr = spec.rpartition(".")
+    try:
+        obj = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise ValueError(f"{what} {spec!r} cannot be imported: {exc}") from exc
+    if not callable(obj):
+        raise ValueError(f"{what} {spec!r} is not callable")
+    return obj
+
+
+class SafeReward:
+    """A reward function that never raises: failures come back as ``RewardFailure``."""
+
+    def __init__(self, fn: str | Callable[[str, Any], float], timeout_s: float = 30.0, max_workers: int = 8):
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self.fn = resolve_callable(fn, "reward function")
+        self.timeout_s = timeout_s
+        self._is_async = inspect.iscoroutinefunction(self.fn)
+        # a hung call keeps its worker thread; the pool bounds how many can pile up
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="reward")
+
+    def _call(self, text: str, entry: Any) -> Any:
+        if self._is_async:
+            return asyncio.run(self.fn(text, entry))
+        return self.fn(text, entry)
+
+    def __call__(self, text: str, entry: Any) -> tuple[float, RewardFailure | None]:
+        """``(reward, None)`` on success, ``(0.0, failure)`` otherwise."""
+        future = self._pool.submit(self._call, text, entry)
+        try:
+            value = future.result(timeout=self.timeout_s)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            return 0.0, RewardFailure("timeout", f"reward function took longer than {self.timeout_s}s")
+        except Exception as exc:  # a user's reward function may raise anything
+            return 0.0, RewardFailure("exception", f"{type(exc).__name__}: {exc}")
+        try:
+            value = float(value)
+        except (TypeError, ValueError):
+            return 0.0, RewardFailure("invalid", f"reward function returned {value!r}, not a number")
+        if not math.isfinite(value):
+            return 0.0, RewardFailure("invalid", f"reward function returned {value}")
+        return value, None

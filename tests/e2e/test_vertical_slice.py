@@ -30,6 +30,28 @@ from miles_ray.sync.shm import as_tensor
 pytestmark = pytest.mark.e2e
 
 
+@pytest.fixture
+def make_placement(ray_cluster):
+    """Create placements; at teardown (pass or fail) remove them, which kills every actor scheduled in them."""
+    made = []
+
+    def make(plan):
+        made.append(placement.create(plan))
+        return made[-1]
+
+    yield make
+    for pl in made:
+        ray.util.remove_placement_group(pl.pg)
+
+
+def engines_and_router(pl, model_path, num_engines, router_config=None):
+    """Pool, its engines and a router. Keep the pool handle: the engines die with the pool actor."""
+    pool_config = RolloutPoolConfig(num_engines=num_engines, engine=EmbeddedEngineConfig(model_path=model_path))
+    pool = RolloutPool.remote(pool_config, pl)
+    engines = ray.get(pool.engines.remote())
+    return pool, engines, Router.remote(router_config or RouterConfig(), engines)
+
+
 class ShortResponseTask:
     """Data source + verifiable reward for a random tiny model: reward = share of response tokens below 1000.
 
@@ -51,13 +73,13 @@ class ShortResponseTask:
 
 
 @pytest.mark.parametrize("topology", ["colocated", "disaggregated"])
-def test_grpo_steps_sync_and_match(ray_cluster, tiny_model_path, topology, record_property):
+def test_grpo_steps_sync_and_match(make_placement, tiny_model_path, topology, record_property):
     n = 2
     if topology == "colocated":
         plan, transport = placement.colocated(n), "shared_memory"
     else:
         plan, transport = placement.disaggregated(n, n), "broadcast"
-    pl = placement.create(plan)
+    pl = make_placement(plan)
     # colocated runs the FSDP2 backend, disaggregated the DDP one: both backends are covered
     parallel = "fsdp2" if topology == "colocated" else "ddp"
     trainer = TrainerGroup.options(name=f"trainer-{topology}").remote(
@@ -66,11 +88,7 @@ def test_grpo_steps_sync_and_match(ray_cluster, tiny_model_path, topology, recor
         ),
         pl,
     )
-    pool = RolloutPool.remote(
-        RolloutPoolConfig(num_engines=n, engine=EmbeddedEngineConfig(model_path=tiny_model_path)), pl
-    )
-    engines = ray.get(pool.engines.remote())
-    router = Router.remote(RouterConfig(policy="round_robin"), engines)
+    pool, engines, router = engines_and_router(pl, tiny_model_path, n, RouterConfig(policy="round_robin"))
     buffer = ReplayBuffer.remote(ReplayBufferConfig(max_staleness=0))
     broadcaster = WeightBroadcaster.remote(
         WeightBroadcasterConfig(transport=transport, bucket_bytes=1 << 20), ray.get(trainer.workers.remote()), engines
@@ -105,22 +123,14 @@ def test_grpo_steps_sync_and_match(ray_cluster, tiny_model_path, topology, recor
     assert max(max_diffs) < 1e-4
     stats = ray.get(router.stats.remote())
     assert stats["served"] == {0: 6, 1: 6}  # round robin over 12 requests
-    for actor in [trainer, pool, router, buffer, broadcaster]:
-        ray.kill(actor)
-    for e in engines:
-        ray.kill(e)
-    ray.util.remove_placement_group(pl.pg)
 
 
-def test_router_evicts_killed_engine_and_retries(ray_cluster, tiny_model_path):
+def test_router_evicts_killed_engine_and_retries(make_placement, tiny_model_path):
     from miles_ray.engines.base import GenerateRequest
 
-    pl = placement.create(placement.disaggregated(1, 2))
-    pool = RolloutPool.remote(
-        RolloutPoolConfig(num_engines=2, engine=EmbeddedEngineConfig(model_path=tiny_model_path)), pl
-    )
-    engines = ray.get(pool.engines.remote())
-    router = Router.remote(RouterConfig(policy="round_robin", health_interval_s=0.2, max_health_failures=1), engines)
+    pl = make_placement(placement.disaggregated(1, 2))
+    router_config = RouterConfig(policy="round_robin", health_interval_s=0.2, max_health_failures=1)
+    pool, engines, router = engines_and_router(pl, tiny_model_path, 2, router_config)
     req = GenerateRequest([1, 2, 3], SamplingParams(max_new_tokens=4))
     ray.get([router.generate.remote(req) for _ in range(4)])
     ray.kill(engines[0])
@@ -130,13 +140,11 @@ def test_router_evicts_killed_engine_and_retries(ray_cluster, tiny_model_path):
     with pytest.raises(ray.exceptions.RayTaskError, match="prompt_ids must not be empty"):
         ray.get(router.generate.remote(GenerateRequest([], SamplingParams())))
     assert ray.get(router.generate.remote(req)).engine_id == 1  # a bad request did not take the engine down
-    ray.kill(engines[1])
-    ray.kill(router)
-    ray.util.remove_placement_group(pl.pg)
+    assert ray.get(pool.num_engines.remote()) == 2
 
 
-def test_checkpoint_round_trip(ray_cluster, tiny_model_path, tmp_path):
-    pl = placement.create(placement.colocated(2))
+def test_checkpoint_round_trip(make_placement, tiny_model_path, tmp_path):
+    pl = make_placement(placement.colocated(2))
     cfg = TrainerGroupConfig(model_path=tiny_model_path, num_ranks=2, optimizer={"lr": 1e-3})
     trainer = TrainerGroup.remote(cfg, pl)
     workers = ray.get(trainer.workers.remote())
@@ -160,21 +168,13 @@ def test_checkpoint_round_trip(ray_cluster, tiny_model_path, tmp_path):
     ray.get(trainer.load.remote(str(tmp_path / "ckpt")))
     assert checksum() == before
     assert ray.get(trainer.weight_version.remote()) == 0
-    ray.kill(trainer)
-    for w in workers:
-        ray.kill(w)
-    ray.util.remove_placement_group(pl.pg)
 
 
-def test_failing_reward_gives_zero_weight_and_run_goes_on(ray_cluster, tiny_model_path):
+def test_failing_reward_gives_zero_weight_and_run_goes_on(make_placement, tiny_model_path):
     from miles_ray.rewards.safe import SafeReward
 
-    pl = placement.create(placement.disaggregated(1, 1))
-    pool = RolloutPool.remote(
-        RolloutPoolConfig(num_engines=1, engine=EmbeddedEngineConfig(model_path=tiny_model_path)), pl
-    )
-    engines = ray.get(pool.engines.remote())
-    router = Router.remote(RouterConfig(), engines)
+    pl = make_placement(placement.disaggregated(1, 1))
+    pool, _, router = engines_and_router(pl, tiny_model_path, 1)
     task = ShortResponseTask(AutoTokenizer.from_pretrained(tiny_model_path))
     calls = []
 
@@ -191,6 +191,4 @@ def test_failing_reward_gives_zero_weight_and_run_goes_on(ray_cluster, tiny_mode
     assert all(s.loss_mask == [0] * len(s.response_ids) and s.reward == 0.0 for s in failed)
     assert all("grader crashed" in s.metadata["reward_failure"] for s in failed)
     assert all(sum(s.loss_mask) == len(s.response_ids) for s in samples if s not in failed)
-    ray.kill(engines[0])
-    ray.kill(router)
-    ray.util.remove_placement_group(pl.pg)
+    assert ray.get(pool.num_engines.remote()) == 1

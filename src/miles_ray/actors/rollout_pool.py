@@ -9,6 +9,9 @@ Usage::
 
     pool = RolloutPool.options(name="miles_ray/rollout_pool").remote(RolloutPoolConfig(...), placement)
     engines = ray.get(pool.engines.remote())
+
+The pool owns its engines (Ray fate-sharing): keep the pool handle, or name the pool, for as long as the
+engines are used; an unnamed pool whose last handle is dropped takes its engines with it.
 """
 
 from __future__ import annotations

@@ -34,6 +34,7 @@ def generate_groups(
         params: sampling parameters; ``params.n`` is the group size.
         num_prompts: prompts (groups) to generate.
         reward: the reward function, run safely; defaults to ``SafeReward(task.reward)``.
+
     """
     reward = reward or SafeReward(task.reward)
     prompts = [task.next_prompt() for _ in range(num_prompts)]

@@ -20,13 +20,14 @@ from typing import Literal
 
 import ray
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from miles_ray.backends.base import OptimizerConfig, TorchBackendConfig
 from miles_ray.backends.objectives import (
     AdvantageConfig,
     GRPOAdvantageConfig,
     LossConfig,
+    MismatchCorrectionConfig,
     PPOClipLossConfig,
     compute_advantages,
 )
@@ -48,6 +49,10 @@ class TrainerGroupConfig(StrictConfig):
     advantage: AdvantageConfig = Field(
         default_factory=GRPOAdvantageConfig, description="Advantage estimator (grpo | rloo | reinforce_pp)."
     )
+    mismatch_correction: MismatchCorrectionConfig | None = Field(
+        None, description="TIS/MIS weights from the engine's logprobs (ppo_clip loss only); None disables."
+    )
+    entropy_coef: float = Field(0.0, ge=0.0, le=1.0, description="Entropy bonus coefficient (0: logged only).")
     temperature: float = Field(
         1.0, gt=0.0, le=10.0, description="Rollout sampling temperature; the trainer's logits are divided by it."
     )
@@ -57,6 +62,14 @@ class TrainerGroupConfig(StrictConfig):
         "the engine's rollout logprobs.",
     )
     seed: int = Field(0, description="torch seed on every rank.")
+
+    @model_validator(mode="after")
+    def _check_correction(self) -> TrainerGroupConfig:
+        if self.mismatch_correction is not None and self.loss.kind != "ppo_clip":
+            raise ValueError(
+                f"mismatch_correction needs loss.kind='ppo_clip' (per-token weights), got loss.kind={self.loss.kind!r}"
+            )
+        return self
 
 
 def _free_port() -> int:
@@ -94,7 +107,9 @@ class TrainerWorker:
         dist.init_process_group(backend, rank=self.rank, world_size=self.world_size)
         torch.manual_seed(self.config.seed)
         c = self.config
-        self.backend = TorchBackend(c.backend, c.optimizer, c.loss, c.model_path)
+        self.backend = TorchBackend(
+            c.backend, c.optimizer, c.loss, c.model_path, correction=c.mismatch_correction, entropy_coef=c.entropy_coef
+        )
 
     def _batch(self, group_refs: list, pad_id: int = 0) -> tuple[RolloutBatch, list[Sample]]:
         samples = _fetch_samples(group_refs)

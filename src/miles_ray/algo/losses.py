@@ -55,6 +55,7 @@ def ppo_clip_loss(
     clip_high: float = 0.2,
     aggregation: Aggregation = "token_mean",
     dual_clip: float | None = None,
+    token_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO clipped surrogate loss (GRPO's policy loss when advantages are group-relative).
 
@@ -68,6 +69,8 @@ def ppo_clip_loss(
         aggregation: how per-token losses are reduced, see ``masked_aggregate``.
         dual_clip: dual-clip constant ``c > 1``: for negative advantages the loss is capped at ``-c * A``
             so a huge ratio on a bad token cannot blow up the update. None disables it.
+        token_weights: optional ``[B, T]`` per-token weights (no grad), e.g. TIS importance weights; they
+            scale each token's loss without changing the normaliser.
 
     Returns:
         ``(loss, metrics)`` with metrics ``clipfrac`` (fraction of tokens whose ratio was clipped) and
@@ -85,6 +88,8 @@ def ppo_clip_loss(
         if dual_clip <= 1.0:
             raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
         per_token = torch.where(advantages < 0, torch.minimum(per_token, -dual_clip * advantages), per_token)
+    if token_weights is not None:
+        per_token = per_token * token_weights.detach()
     loss = masked_aggregate(per_token, mask, aggregation)
     with torch.no_grad():
         m = mask.to(logprobs.dtype)

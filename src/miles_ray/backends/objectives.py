@@ -52,6 +52,13 @@ class GSPOLossConfig(StrictConfig):
         return "sequences"
 
 
+class MismatchCorrectionConfig(StrictConfig):
+    """Train/rollout mismatch correction with the engine's logprobs (PPO-clip only: it is per token)."""
+
+    kind: Literal["tis", "mis"] = Field("tis", description="tis: truncate the IS ratio; mis: drop outliers.")
+    cap: float = Field(2.0, gt=1.0, le=100.0, description="Ratio bound (tis: max weight; mis: [1/cap, cap]).")
+
+
 LossConfig = Annotated[PPOClipLossConfig | GSPOLossConfig, Field(discriminator="kind")]
 
 

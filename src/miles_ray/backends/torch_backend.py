@@ -17,18 +17,32 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from miles_ray.algo import importance_weights, masked_aggregate
 from miles_ray.backends.base import OptimizerConfig, TorchBackendConfig
-from miles_ray.backends.objectives import GSPOLossConfig, PPOClipLossConfig, resolve_loss
+from miles_ray.backends.objectives import GSPOLossConfig, MismatchCorrectionConfig, PPOClipLossConfig, resolve_loss
 from miles_ray.sync.plan import Bucket, SyncPlan, plan_buckets
 from miles_ray.types import RolloutBatch
 
 LossFn = Callable[..., tuple[torch.Tensor, dict[str, float]]]
 
 
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
-    """Log-probability of each target token. ``logits``: ``[B, K, V]``; ``targets``: ``[B, K]`` -> ``[B, K]``."""
-    logits = logits.float() / temperature
-    return torch.log_softmax(logits, dim=-1).gather(-1, targets[..., None])[..., 0]
+def token_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probability of each target token and the entropy of each position's distribution.
+
+    Args:
+        logits: ``[B, K, V]``.
+        targets: ``[B, K]``.
+        temperature: logits are divided by it.
+
+    Returns:
+        ``(logprobs [B, K], entropy [B, K])``.
+
+    """
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    entropy = -(logp.exp() * logp).sum(dim=-1)
+    return logp.gather(-1, targets[..., None])[..., 0], entropy
 
 
 class TorchBackend:
@@ -41,12 +55,17 @@ class TorchBackend:
         loss: PPOClipLossConfig | GSPOLossConfig,
         model_path: str,
         loss_fn: LossFn | None = None,
+        correction: MismatchCorrectionConfig | None = None,
+        entropy_coef: float = 0.0,
     ):
         from transformers import AutoModelForCausalLM
 
         self.config, self.optim_config, self.loss_config = config, optim, loss
         selected, self.loss_kwargs = resolve_loss(loss)
         self.loss_fn = loss_fn or selected
+        if correction is not None and loss.kind != "ppo_clip":
+            raise ValueError(f"mismatch_correction weights tokens; loss kind {loss.kind!r} has a sequence ratio")
+        self.correction, self.entropy_coef = correction, entropy_coef
         torch.set_num_threads(config.num_threads)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.device = (
@@ -90,8 +109,9 @@ class TorchBackend:
         keep = torch.arange(start, width, device=self.device)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.config.autocast == "bfloat16"):
             out = self.model(input_ids=input_ids, attention_mask=attention_mask.to(self.device), logits_to_keep=keep)
-        lp = token_logprobs(out.logits, input_ids[:, start + 1 :], temperature)
-        return torch.cat([lp.new_zeros(lp.shape[0], start), lp], dim=1)
+        lp, entropy = token_logprobs(out.logits, input_ids[:, start + 1 :], temperature)
+        pad = lp.new_zeros(lp.shape[0], start)
+        return torch.cat([pad, lp], dim=1), torch.cat([pad, entropy], dim=1)
 
     @torch.no_grad()
     def compute_logprobs(self, batch: RolloutBatch, temperature: float) -> torch.Tensor:
@@ -104,7 +124,7 @@ class TorchBackend:
                 batch.attention_mask[i : i + mbs],
                 batch.response_mask[i : i + mbs],
                 temperature,
-            ).cpu()
+            )[0].cpu()
             for i in range(0, batch.num_samples, mbs)
         ]
         return torch.cat(parts)
@@ -135,17 +155,37 @@ class TorchBackend:
         local_units = float(mask_all.sum()) if per_token else float(batch.num_samples)
         global_units = self._global_sum(local_units)
         mbs = self.config.micro_batch_size
-        sums = {"loss": 0.0, "lp_diff_sum": 0.0, "k3_sum": 0.0, "tokens": 0.0}
+        sums = {
+            "loss": 0.0,
+            "lp_diff_sum": 0.0,
+            "k3_sum": 0.0,
+            "tokens": 0.0,
+            "entropy_sum": 0.0,
+            "clipped_tokens": 0.0,
+        }
         lp_diff_max = 0.0
         starts = list(range(0, batch.num_samples, mbs))
         for i in starts:
             sl = slice(i, i + mbs)
             self._grad_sync(i == starts[-1])  # reduce gradients once, after the last micro-batch
             mask = mask_all[sl].to(self.device)
-            logprobs = self._forward_logprobs(batch.input_ids[sl], batch.attention_mask[sl], mask_all[sl], temperature)
+            logprobs, entropy = self._forward_logprobs(
+                batch.input_ids[sl], batch.attention_mask[sl], mask_all[sl], temperature
+            )
             old = logprobs.detach() if old_logprobs is None else old_logprobs[sl].to(self.device)
             adv = batch.advantages[sl].to(self.device)
-            loss, m = self.loss_fn(logprobs, old, adv, mask, **self.loss_kwargs)
+            rollout = batch.rollout_logprobs[sl].to(self.device)
+            extra = {}
+            if self.correction is not None:
+                weights, wm = importance_weights(logprobs, rollout, mask, self.correction.kind, self.correction.cap)
+                extra["token_weights"] = weights
+                sums["clipped_tokens"] += wm["weight_clipped_frac"] * float(mask.sum())
+            loss, m = self.loss_fn(logprobs, old, adv, mask, **self.loss_kwargs, **extra)
+            entropy_mean = masked_aggregate(entropy, mask, "token_mean")
+            sums["entropy_sum"] += float(entropy_mean.detach()) * float(mask.sum())
+            if self.entropy_coef > 0:  # entropy bonus: maximise entropy, so subtract it from the loss
+                mode = "token_mean" if per_token else "seq_mean_token_mean"  # same units as the policy loss
+                loss = loss - self.entropy_coef * masked_aggregate(entropy, mask, mode)
             units = float(mask.sum()) if per_token else float(mask.shape[0])
             # weight by this micro-batch's share of the global batch; FSDP/DDP average over ranks, so undo it
             (loss * units / global_units * self.world_size).backward()
@@ -154,7 +194,6 @@ class TorchBackend:
             for k, v in m.items():  # the loss's own metrics, token-weighted
                 sums[f"m/{k}"] = sums.get(f"m/{k}", 0.0) + v * tokens
             with torch.no_grad():
-                rollout = batch.rollout_logprobs[sl].to(self.device)
                 diff = (logprobs.detach() - rollout).abs() * mask
                 log_ratio = rollout - logprobs.detach()  # k3 estimate of KL(rollout || train)
                 sums["k3_sum"] += float(((torch.exp(log_ratio) - 1 - log_ratio) * mask).sum())
@@ -176,6 +215,8 @@ class TorchBackend:
             "train_rollout_logprob_abs_diff_mean": r["lp_diff_sum"] / tokens,
             "train_rollout_logprob_abs_diff_max": float(max_t),
             "train_rollout_k3_kl": r["k3_sum"] / tokens,
+            "entropy": r["entropy_sum"] / tokens,
+            "is_weight_clipped_frac": r["clipped_tokens"] / tokens,
             "num_tokens": r["tokens"],
         }
 

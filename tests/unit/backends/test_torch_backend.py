@@ -34,7 +34,7 @@ def _batch(advantage_cfg) -> RolloutBatch:
     for i in range(8):
         prompt = torch.randint(10, 500, (3 + i % 3,), generator=g).tolist()
         resp = torch.randint(10, 500, (2 + i % 4,), generator=g).tolist()
-        samples.append(Sample(prompt, resp, [-5.0] * len(resp), reward=float(i % 3), group_id=i // 4))
+        samples.append(Sample(prompt, resp, [-20.0] * len(resp), reward=float(i % 3), group_id=i // 4))
     batch = RolloutBatch.from_samples(samples, pad_id=0)
     batch.advantages = compute_advantages(
         advantage_cfg, batch.rewards, torch.tensor([s.group_id for s in samples]), batch.response_mask
@@ -43,7 +43,8 @@ def _batch(advantage_cfg) -> RolloutBatch:
 
 
 def _params(backend):
-    return torch.cat([p.detach().reshape(-1) for p in backend.hf_model.parameters()])
+    full = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in backend.hf_model.parameters()]  # FSDP2
+    return torch.cat([p.detach().reshape(-1) for p in full])
 
 
 @pytest.mark.parametrize("parallel", ["fsdp2", "ddp"])
@@ -89,3 +90,30 @@ def test_logprobs_match_a_plain_hf_forward(tiny_model_path):
     ref = torch.log_softmax(logits, -1).gather(-1, batch.input_ids[:, 1:, None])[..., 0]
     m = batch.response_mask > 0
     torch.testing.assert_close(ours[m], ref[m], atol=1e-5, rtol=1e-5)
+
+
+def test_tis_weights_and_entropy_bonus_change_the_update(tiny_model_path):
+    """TIS reweights tokens by min(exp(train - rollout), cap); the entropy bonus adds its own gradient."""
+    from miles_ray.backends.objectives import MismatchCorrectionConfig
+
+    def update(**kwargs):
+        torch.manual_seed(0)
+        backend = TorchBackend(TorchBackendConfig(), OptimizerConfig(lr=1e-3), PPOClipLossConfig(), tiny_model_path,
+                               **kwargs)  # fmt: skip
+        before = _params(backend)
+        metrics = backend.train_step(_batch(GRPOAdvantageConfig()), temperature=1.0)
+        return metrics, _params(backend) - before
+
+    base_m, base = update()
+    # rollout logprobs are -20, far below the random model's ~-10.8: every ratio exceeds the cap of 2
+    tis_m, tis = update(correction=MismatchCorrectionConfig(kind="tis", cap=2.0))
+    assert tis_m["is_weight_clipped_frac"] == 1.0 and base_m["is_weight_clipped_frac"] == 0.0
+    assert tis_m["loss"] == pytest.approx(2.0 * base_m["loss"], rel=1e-5)  # every token weighted by the cap
+    mis_m, mis = update(correction=MismatchCorrectionConfig(kind="mis", cap=2.0))
+    assert mis_m["loss"] == 0.0 and mis.abs().max() == 0  # every token dropped: no update at all
+    ent_m, ent = update(entropy_coef=0.1)
+    assert ent_m["entropy"] == pytest.approx(base_m["entropy"]) and ent_m["entropy"] > 0
+    assert not torch.allclose(ent, base)
+    with pytest.raises(ValueError, match="sequence ratio"):
+        TorchBackend(TorchBackendConfig(), OptimizerConfig(), GSPOLossConfig(), tiny_model_path,
+                     correction=MismatchCorrectionConfig())  # fmt: skip

@@ -25,7 +25,7 @@ from pydantic import Field
 
 from miles_ray.config import StrictConfig
 from miles_ray.engines.base import GenerateOutput, GenerateRequest
-from miles_ray.engines.embedded import _DTYPES, EmbeddedEngine, EmbeddedEngineConfig
+from miles_ray.engines.embedded import EmbeddedEngine, EmbeddedEngineConfig
 from miles_ray.placement.groups import Placement
 from miles_ray.sync.plan import SyncPlan, unpack
 from miles_ray.sync.shm import as_tensor
@@ -47,7 +47,6 @@ class EngineActor:
     def __init__(self, engine_id: int, config: EmbeddedEngineConfig, batch_wait_s: float = 0.005):
         self.engine_id = engine_id
         self.engine = EmbeddedEngine(config)
-        self.dtype = _DTYPES[config.dtype]
         self._batch_wait_s = batch_wait_s
         self._queue: asyncio.Queue | None = None
         self._outstanding = 0
@@ -61,7 +60,7 @@ class EngineActor:
             ValueError: for an invalid request (the engine stays up).
 
         """
-        self.engine._validate(request)
+        self.engine.validate(request)  # reject bad input here, before it joins a batch
         if self._queue is None:
             self._queue = asyncio.Queue()
             asyncio.get_running_loop().create_task(self._batch_loop())

@@ -108,7 +108,7 @@ class EmbeddedEngine:
 
         """
         for r in requests:
-            self._validate(r)
+            self.validate(r)
         outputs: list[GenerateOutput] = []
         chunk: list[GenerateRequest] = []
         rows = 0
@@ -122,7 +122,8 @@ class EmbeddedEngine:
             outputs += self._generate_batch(chunk)
         return outputs
 
-    def _validate(self, r: GenerateRequest) -> None:
+    def validate(self, r: GenerateRequest) -> None:
+        """Raise ``ValueError`` naming what is wrong with a request (see ``generate``)."""
         if not r.prompt_ids:
             raise ValueError("prompt_ids must not be empty")
         vocab = self.model.args.vocab_size

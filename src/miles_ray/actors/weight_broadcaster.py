@@ -27,6 +27,8 @@ from pydantic import Field
 
 from miles_ray.config import StrictConfig
 from miles_ray.sync.checksum import named_tensors_checksum
+from miles_ray.sync.plan import unpack
+from miles_ray.sync.shm import as_tensor
 
 
 class WeightSyncError(RuntimeError):
@@ -79,7 +81,8 @@ class WeightBroadcaster:
         """Send the trainer's current weights to every engine as ``version`` and verify them.
 
         Returns:
-            ``{"seconds", "bytes", "gb_per_s", "num_buckets", "version", "checksum"}``.
+            ``{"seconds", "transfer_seconds", "bytes", "gb_per_s", "num_buckets", "version", "checksum"}``:
+            ``seconds`` is the whole sync, ``transfer_seconds`` and ``gb_per_s`` leave out the hashing.
 
         Raises:
             WeightSyncError: if an engine's version or checksum differs from the trainer's.
@@ -125,9 +128,6 @@ class WeightBroadcaster:
         return dict(self._last)
 
     def _checksum_refs(self, refs: list) -> str:
-        from miles_ray.sync.plan import unpack
-        from miles_ray.sync.shm import as_tensor
-
         arrays = ray.get(refs)
         named = []
         for bucket, array in zip(self._plan.buckets, arrays):

@@ -169,6 +169,7 @@ class TorchBackend:
             sl = slice(i, i + mbs)
             self._grad_sync(i == starts[-1])  # reduce gradients once, after the last micro-batch
             mask = mask_all[sl].to(self.device)
+            tokens = float(mask.sum())
             logprobs, entropy = self._forward_logprobs(
                 batch.input_ids[sl], batch.attention_mask[sl], mask_all[sl], temperature
             )
@@ -179,25 +180,23 @@ class TorchBackend:
             if self.correction is not None:
                 weights, wm = importance_weights(logprobs, rollout, mask, self.correction.kind, self.correction.cap)
                 extra["token_weights"] = weights
-                sums["clipped_tokens"] += wm["weight_clipped_frac"] * float(mask.sum())
+                sums["clipped_tokens"] += wm["weight_clipped_frac"] * tokens
             loss, m = self.loss_fn(logprobs, old, adv, mask, **self.loss_kwargs, **extra)
-            entropy_mean = masked_aggregate(entropy, mask, "token_mean")
-            sums["entropy_sum"] += float(entropy_mean.detach()) * float(mask.sum())
             if self.entropy_coef > 0:  # entropy bonus: maximise entropy, so subtract it from the loss
                 mode = "token_mean" if per_token else "seq_mean_token_mean"  # same units as the policy loss
                 loss = loss - self.entropy_coef * masked_aggregate(entropy, mask, mode)
-            units = float(mask.sum()) if per_token else float(mask.shape[0])
+            units = tokens if per_token else float(mask.shape[0])
             # weight by this micro-batch's share of the global batch; FSDP/DDP average over ranks, so undo it
             (loss * units / global_units * self.world_size).backward()
-            tokens = float(mask.sum())
             sums["loss"] += float(loss.detach()) * units
             for k, v in m.items():  # the loss's own metrics, token-weighted
                 sums[f"m/{k}"] = sums.get(f"m/{k}", 0.0) + v * tokens
             with torch.no_grad():
-                diff = (logprobs.detach() - rollout).abs() * mask
-                log_ratio = rollout - logprobs.detach()  # k3 estimate of KL(rollout || train)
+                diff = (logprobs - rollout).abs() * mask
+                log_ratio = rollout - logprobs  # k3 estimate of KL(rollout || train)
                 sums["k3_sum"] += float(((torch.exp(log_ratio) - 1 - log_ratio) * mask).sum())
                 sums["lp_diff_sum"] += float(diff.sum())
+                sums["entropy_sum"] += float((entropy * mask).sum())
                 lp_diff_max = max(lp_diff_max, float(diff.max()) if diff.numel() else 0.0)
             sums["tokens"] += tokens
         grad_norm = self._clip_and_step()

@@ -24,7 +24,7 @@ from miles_ray.actors import (
 from miles_ray.engines.base import SamplingParams
 from miles_ray.engines.embedded import EmbeddedEngineConfig
 from miles_ray.rollout import generate_groups
-from miles_ray.sync import named_tensors_checksum, unpack
+from miles_ray.sync.checksum import buckets_checksum
 from miles_ray.sync.shm import as_tensor
 
 pytestmark = pytest.mark.e2e
@@ -152,8 +152,7 @@ def test_checkpoint_round_trip(make_placement, tiny_model_path, tmp_path):
 
     def checksum():  # of the full (gathered) weights, from the buckets rank 0 puts in the object store
         refs = [r for r in ray.get([w.put_weight_buckets.remote(plan) for w in workers]) if r][0]
-        named = [t for b, a in zip(plan.buckets, ray.get(refs)) for t in unpack(b, as_tensor(a, b.dtype))]
-        return named_tensors_checksum(named)
+        return buckets_checksum(plan, [as_tensor(a, b.dtype) for b, a in zip(plan.buckets, ray.get(refs))])
 
     before = checksum()
     ray.get(trainer.save.remote(str(tmp_path / "ckpt")))

@@ -33,8 +33,8 @@ from miles_ray.backends.objectives import (
 )
 from miles_ray.config import StrictConfig
 from miles_ray.placement.groups import Placement
-from miles_ray.sync.checksum import named_tensors_checksum
-from miles_ray.sync.plan import SyncPlan, unpack
+from miles_ray.sync.checksum import buckets_checksum
+from miles_ray.sync.plan import SyncPlan
 from miles_ray.types import RolloutBatch, Sample
 
 
@@ -159,12 +159,12 @@ class TrainerWorker:
     def broadcast_weights(self, plan: SyncPlan, verify: bool) -> str | None:
         """Collective: gather each bucket; rank 0 broadcasts it. Returns rank 0's checksum if ``verify``."""
         sent = []
-        for bucket, flat in self._gather(plan):
+        for _, flat in self._gather(plan):
             if self.rank == 0:
                 self._sync_group.broadcast(flat)
                 if verify:
-                    sent += unpack(bucket, flat)
-        return named_tensors_checksum(sent) if self.rank == 0 and verify else None
+                    sent.append(flat)
+        return buckets_checksum(plan, sent) if self.rank == 0 and verify else None
 
     def put_weight_buckets(self, plan: SyncPlan) -> list | None:
         """Collective: gather each bucket; rank 0 puts it in the object store and returns the refs."""

@@ -26,8 +26,7 @@ import ray
 from pydantic import Field
 
 from miles_ray.config import StrictConfig
-from miles_ray.sync.checksum import named_tensors_checksum
-from miles_ray.sync.plan import unpack
+from miles_ray.sync.checksum import buckets_checksum
 from miles_ray.sync.shm import as_tensor
 
 
@@ -129,10 +128,7 @@ class WeightBroadcaster:
 
     def _checksum_refs(self, refs: list) -> str:
         arrays = ray.get(refs)
-        named = []
-        for bucket, array in zip(self._plan.buckets, arrays):
-            named += unpack(bucket, as_tensor(array, bucket.dtype))
-        return named_tensors_checksum(named)
+        return buckets_checksum(self._plan, (as_tensor(a, b.dtype) for b, a in zip(self._plan.buckets, arrays)))
 
     def last_report(self) -> dict:
         """The report of the most recent sync."""

@@ -14,6 +14,18 @@ from __future__ import annotations
 import torch
 
 
+def _group_sums(rewards: torch.Tensor, group_ids: torch.Tensor):
+    """Validate ``[B]`` inputs; return ``(rewards fp32, group index per sample, group sizes, group reward sums)``."""
+    if rewards.shape != group_ids.shape or rewards.dim() != 1:
+        raise ValueError(
+            f"rewards and group_ids must both be [B], got {tuple(rewards.shape)} and {tuple(group_ids.shape)}"
+        )
+    rewards = rewards.float()
+    _, inverse, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
+    sums = torch.zeros(counts.numel()).index_add_(0, inverse, rewards)
+    return rewards, inverse, counts, sums
+
+
 def grpo_advantages(
     rewards: torch.Tensor, group_ids: torch.Tensor, normalize_std: bool = True, eps: float = 1e-6
 ) -> torch.Tensor:
@@ -32,14 +44,8 @@ def grpo_advantages(
         ValueError: if the shapes differ.
 
     """
-    if rewards.shape != group_ids.shape or rewards.dim() != 1:
-        raise ValueError(
-            f"rewards and group_ids must both be [B], got {tuple(rewards.shape)} and {tuple(group_ids.shape)}"
-        )
-    rewards = rewards.float()
-    _, inverse, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
+    rewards, inverse, counts, sums = _group_sums(rewards, group_ids)
     num_groups = counts.numel()
-    sums = torch.zeros(num_groups).index_add_(0, inverse, rewards)
     means = sums / counts
     centered = rewards - means[inverse]
     if not normalize_std:
@@ -63,13 +69,7 @@ def rloo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Ten
         ``[B]`` advantages.
 
     """
-    if rewards.shape != group_ids.shape or rewards.dim() != 1:
-        raise ValueError(
-            f"rewards and group_ids must both be [B], got {tuple(rewards.shape)} and {tuple(group_ids.shape)}"
-        )
-    rewards = rewards.float()
-    _, inverse, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
-    sums = torch.zeros(counts.numel()).index_add_(0, inverse, rewards)
+    rewards, inverse, counts, sums = _group_sums(rewards, group_ids)
     n = counts[inverse].float()
     others = (sums[inverse] - rewards) / (n - 1).clamp(min=1)
     return torch.where(n > 1, rewards - others, torch.zeros_like(rewards))

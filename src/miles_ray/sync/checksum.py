@@ -13,6 +13,8 @@ from collections.abc import Iterable
 
 import torch
 
+from miles_ray.sync.plan import SyncPlan, unpack
+
 
 def named_tensors_checksum(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
     """Hex digest of the given tensors (sorted by name).
@@ -34,3 +36,12 @@ def named_tensors_checksum(named_tensors: Iterable[tuple[str, torch.Tensor]]) ->
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
         h.update(memoryview(t.view(-1).view(torch.uint8).numpy()))
     return h.hexdigest()
+
+
+def buckets_checksum(plan: SyncPlan, flats: Iterable[torch.Tensor]) -> str:
+    """Checksum of the tensors packed in a sync's flat bucket buffers (one flat per ``plan`` bucket, in order).
+
+    Equals ``named_tensors_checksum`` of the unpacked tensors, so a sender hashing its buckets and an engine
+    hashing the parameters it loaded from them agree.
+    """
+    return named_tensors_checksum(t for bucket, flat in zip(plan.buckets, flats) for t in unpack(bucket, flat))

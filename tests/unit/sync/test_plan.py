@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from miles_ray.sync import named_tensors_checksum, pack, plan_buckets, unpack
+from miles_ray.sync import buckets_checksum, named_tensors_checksum, pack, plan_buckets, unpack
 
 
 def test_buckets_respect_size_and_dtype():
@@ -23,9 +23,12 @@ def test_pack_unpack_round_trip():
     tensors = {"w": torch.randn(3, 4), "b": torch.randn(5)}
     plan = plan_buckets([(k, tuple(v.shape), v.dtype) for k, v in tensors.items()], bucket_bytes=1 << 20)
     [bucket] = plan.buckets
-    out = dict(unpack(bucket, pack(bucket, tensors)))
+    flat = pack(bucket, tensors)
+    out = dict(unpack(bucket, flat))
     for k, v in tensors.items():
         assert torch.equal(out[k], v)
+    # hashing the packed buckets equals hashing the tensors themselves (what an engine holds after loading)
+    assert buckets_checksum(plan, [flat]) == named_tensors_checksum(tensors.items())
 
 
 def test_duplicate_names_rejected():

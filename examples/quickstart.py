@@ -54,7 +54,8 @@ trainer_cfg = actors.TrainerGroupConfig(
     backend={"micro_batch_size": 32, "autocast": "bfloat16"},
 )  # fmt: skip
 trainer = actors.TrainerGroup.options(name="miles_ray/trainer").remote(trainer_cfg, pl)
-pool_cfg = actors.RolloutPoolConfig(num_engines=n, engine=EmbeddedEngineConfig(model_path=model_path))
+engine_cfg = EmbeddedEngineConfig(model_path=model_path, max_seq_len=512)  # ~100-token prompts + 24 new tokens
+pool_cfg = actors.RolloutPoolConfig(num_engines=n, engine=engine_cfg)
 pool = actors.RolloutPool.options(name="miles_ray/rollout_pool").remote(pool_cfg, pl)
 engines = ray.get(pool.engines.remote())
 router = actors.Router.options(name="miles_ray/router").remote(actors.RouterConfig(), engines)

@@ -1,4 +1,8 @@
 import os
+import socket
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -20,3 +24,30 @@ def ray_cluster():
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def server(tiny_model_path):
+    """One real engine HTTP server process (the CLI) on the tiny model, bearer token ``test-key``; yields its URL."""
+    import requests
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "miles_ray.engines.http_server", "--model-path", tiny_model_path]
+    cmd += ["--port", str(port), "--api-key", "test-key", "--max-batch-size", "8", "--max-seq-len", "128"]
+    cmd += ["--served-model-name", "tiny"]
+    proc = subprocess.Popen(cmd, env=os.environ.copy(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        try:
+            if requests.get(f"{url}/health", headers={"Authorization": "Bearer test-key"}, timeout=1).ok:
+                break
+        except requests.ConnectionError:
+            time.sleep(0.3)
+        if proc.poll() is not None:
+            raise RuntimeError(proc.stdout.read())
+    yield url
+    proc.terminate()
+    proc.wait(timeout=30)

@@ -23,25 +23,12 @@ from miles_ray.actors import (
 )
 from miles_ray.engines.base import SamplingParams
 from miles_ray.engines.embedded import EmbeddedEngineConfig
+from miles_ray.rewards.safe import SafeReward
 from miles_ray.rollout import generate_groups
 from miles_ray.sync.checksum import buckets_checksum
 from miles_ray.sync.shm import as_tensor
 
 pytestmark = pytest.mark.e2e
-
-
-@pytest.fixture
-def make_placement(ray_cluster):
-    """Create placements; at teardown (pass or fail) remove them, which kills every actor scheduled in them."""
-    made = []
-
-    def make(plan):
-        made.append(placement.create(plan))
-        return made[-1]
-
-    yield make
-    for pl in made:
-        ray.util.remove_placement_group(pl.pg)
 
 
 def engines_and_router(pl, model_path, num_engines, router_config=None):
@@ -170,7 +157,6 @@ def test_checkpoint_round_trip(make_placement, tiny_model_path, tmp_path):
 
 
 def test_failing_reward_gives_zero_weight_and_run_goes_on(make_placement, tiny_model_path):
-    from miles_ray.rewards.safe import SafeReward
 
     pl = make_placement(placement.disaggregated(1, 1))
     pool, _, router = engines_and_router(pl, tiny_model_path, 1)
@@ -191,3 +177,53 @@ def test_failing_reward_gives_zero_weight_and_run_goes_on(make_placement, tiny_m
     assert all("grader crashed" in s.metadata["reward_failure"] for s in failed)
     assert all(sum(s.loss_mask) == len(s.response_ids) for s in samples if s not in failed)
     assert ray.get(pool.num_engines.remote()) == 1
+
+
+def test_dynamic_sampling_drops_flat_groups_and_refills(make_placement, tiny_model_path):
+    pl = make_placement(placement.colocated(1))
+    pool, _, router = engines_and_router(pl, tiny_model_path, 1)
+
+    class ParityTask(ShortResponseTask):
+        def next_prompt(self):
+            prompt = super().next_prompt()
+            prompt["entry"] = {"answer": None, "odd": prompt["index"] % 2 == 1}
+            return prompt
+
+    task = ParityTask(AutoTokenizer.from_pretrained(tiny_model_path))
+
+    def reward(text, entry):  # odd prompts: every sample gets 1.0 (no signal); even prompts: varies
+        return 1.0 if entry["odd"] else sum(map(ord, text)) % 7 / 6
+
+    stats = {}
+    params = SamplingParams(n=4, max_new_tokens=6, ignore_eos=True)
+    groups = generate_groups(
+        router,
+        task,
+        params,
+        3,
+        reward=SafeReward(reward),
+        group_filter="miles_ray.rollout:has_reward_signal",
+        max_rounds=5,
+        stats=stats,
+    )
+    kept = ray.get([g.ref for g in groups])
+    assert len(kept) == 3 and all(len({s.reward for s in g}) > 1 for g in kept)
+    assert stats["groups_dropped"] == stats["groups_generated"] - 3 and stats["groups_dropped"] >= 1
+    with pytest.raises(ValueError, match="group_filter 'nope:x' cannot be imported"):
+        generate_groups(router, task, params, 1, group_filter="nope:x")
+    assert ray.get(pool.num_engines.remote()) == 1
+
+
+def test_overlong_penalty_shapes_rewards_before_advantages(ray_cluster, tiny_model_path):
+    from miles_ray.actors.replay_buffer import GroupRef
+    from miles_ray.actors.trainer_group import TrainerWorker
+    from miles_ray.types import Sample
+
+    samples = [
+        Sample([1, 2], list(range(n)), [0.0] * n, reward=1.0, group_id=0) for n in (4, 8, 12)
+    ]  # max 10, buffer 4: penalties 0, -0.5, -1
+    ref = GroupRef(ray.put(samples), 3, 0, 0)
+    config = TrainerGroupConfig(model_path=tiny_model_path, overlong_penalty={"max_len": 10, "buffer_len": 4})
+    batch, _ = TrainerWorker(0, 1, config)._batch([ref])  # no backend needed to build a batch
+    assert batch.rewards.tolist() == [1.0, 0.5, 0.0]
+    assert batch.advantages[0] > batch.advantages[1] > batch.advantages[2]

@@ -1,9 +1,10 @@
 """RolloutPool: a set of rollout engine actors, each on its placement slot, plus their weight-sync endpoints.
 
-``EngineActor`` wraps one ``RolloutEngine`` (the embedded engine by default) as an async Ray actor:
-concurrent ``generate`` calls are queued and decoded together in one batch (requests that arrive while
-a batch runs form the next one), on a worker thread so ``health`` keeps answering. It also receives
-weight buckets over a broadcast group (disaggregated) or the object store (colocated).
+``EngineActor`` wraps one embedded engine as an async Ray actor: ``generate`` calls join the engine's
+running batch (continuous batching, stepped on a worker thread so ``health`` keeps answering), and with
+``RolloutPoolConfig.http`` the same engine also serves SGLang-native and OpenAI HTTP routes. It
+receives weight buckets over a broadcast group (disaggregated) or the object store (colocated), pausing
+decode in place while a sync loads so no step sees half-updated weights.
 
 Usage::
 
@@ -26,73 +27,81 @@ from pydantic import Field
 from miles_ray.config import StrictConfig
 from miles_ray.engines.base import GenerateOutput, GenerateRequest
 from miles_ray.engines.embedded import EmbeddedEngine, EmbeddedEngineConfig
+from miles_ray.engines.http_server import HttpServerConfig
+from miles_ray.engines.loop import EngineLoop
 from miles_ray.placement.groups import Placement
 from miles_ray.sync.plan import SyncPlan, unpack
 from miles_ray.sync.shm import as_tensor
 
 
 class RolloutPoolConfig(StrictConfig):
-    """How many engines, of which kind."""
+    """How many engines, of which kind, and whether they serve HTTP."""
 
     num_engines: int = Field(1, ge=1, le=4096, description="Engine actors in the pool (one per engine slot).")
     engine: EmbeddedEngineConfig = Field(..., description="Per-engine config (discriminated by `kind`).")
-    batch_wait_s: float = Field(
-        0.005, ge=0.0, le=1.0, description="How long an idle engine waits to gather concurrent requests."
+    http: HttpServerConfig | None = Field(
+        None, description="Start each engine's HTTP server (SGLang-native + OpenAI API); None: Ray calls only."
     )
+    served_model_name: str = Field("default", description="Model name the OpenAI routes report and accept.")
 
 
 class EngineActor:
     """One rollout engine as an async actor (apply ``ray.remote`` via ``RolloutPool``)."""
 
-    def __init__(self, engine_id: int, config: EmbeddedEngineConfig, batch_wait_s: float = 0.005):
+    def __init__(self, engine_id: int, config: EmbeddedEngineConfig):
         self.engine_id = engine_id
         self.engine = EmbeddedEngine(config)
-        self._batch_wait_s = batch_wait_s
-        self._queue: asyncio.Queue | None = None
+        self.loop = EngineLoop(self.engine)
         self._outstanding = 0
         self._sync_group = None
+        self._http = None
+        self.url: str | None = None
 
     # --- generation -----------------------------------------------------------------------------
     async def generate(self, request: GenerateRequest) -> GenerateOutput:
-        """Sample ``request``; batched with the requests that arrive alongside it.
+        """Sample ``request``; it joins the engine's running batch (continuous batching).
 
         Raises:
             ValueError: for an invalid request (the engine stays up).
 
         """
-        self.engine.validate(request)  # reject bad input here, before it joins a batch
-        if self._queue is None:
-            self._queue = asyncio.Queue()
-            asyncio.get_running_loop().create_task(self._batch_loop())
-        fut = asyncio.get_running_loop().create_future()
         self._outstanding += 1
-        await self._queue.put((request, fut))
         try:
-            out = await fut
+            out = await self.loop.generate(request)
         finally:
             self._outstanding -= 1
         out.engine_id = self.engine_id
         return out
 
-    async def _batch_loop(self) -> None:
-        assert self._queue is not None
-        while True:
-            items = [await self._queue.get()]
-            await asyncio.sleep(self._batch_wait_s)
-            while not self._queue.empty():
-                items.append(self._queue.get_nowait())
-            try:
-                outs = await asyncio.to_thread(self.engine.generate, [r for r, _ in items])
-                for (_, fut), out in zip(items, outs):
-                    fut.set_result(out)
-            except Exception as exc:  # a failing batch fails its requests, never the engine
-                for _, fut in items:
-                    if not fut.done():
-                        fut.set_exception(exc)
+    async def abort(self, request_id: str | None = None) -> None:
+        """Abort one request (all if None); its caller gets what was generated so far."""
+        self.loop.abort(request_id)
+
+    async def pause(self, mode: str = "abort") -> None:
+        """Pause generation (``abort`` | ``in_place``); see ``EmbeddedEngine.pause``."""
+        await self.loop.pause(mode)
+
+    async def resume(self) -> None:
+        """Continue after ``pause``."""
+        self.loop.resume()
+
+    async def start_http(self, config: HttpServerConfig, model_name: str = "default") -> str:
+        """Serve this engine over HTTP (same running batch as Ray calls). Returns the base URL."""
+        from miles_ray.engines.http_server import start_server
+
+        if self._http is None:
+            self._http, self.url = await start_server(self.loop, model_name, config)
+        return self.url
 
     async def health(self) -> dict:
         """Liveness plus load: queue depth and the loaded weight version."""
-        return {"engine_id": self.engine_id, "outstanding": self._outstanding, "version": self.engine.weight_version()}
+        return {
+            "engine_id": self.engine_id,
+            "outstanding": self._outstanding,
+            "version": self.engine.weight_version(),
+            "url": self.url,
+            **self.engine.stats(),
+        }
 
     # --- weights --------------------------------------------------------------------------------
     async def weight_version(self) -> int:
@@ -143,10 +152,18 @@ class EngineActor:
         return await self._load(run, version, verify)
 
     async def _load(self, run, version: int, verify: bool) -> dict:
+        # no decode step may see half-updated weights: pause in place around the load (running
+        # sequences continue on the new weights afterwards)
+        was_paused = self.engine.paused
+        await self.loop.pause("in_place")
         start = time.perf_counter()
-        await asyncio.to_thread(run)
+        try:
+            await asyncio.to_thread(run)
+            self.engine.set_weight_version(version)
+        finally:
+            if not was_paused:
+                self.loop.resume()
         seconds = time.perf_counter() - start
-        self.engine.set_weight_version(version)
         # hashing here, right after loading, runs in parallel with the trainer's hash of what it sent
         checksum = await asyncio.to_thread(self.engine.weights_checksum) if verify else None
         return {"engine_id": self.engine_id, "seconds": seconds, "checksum": checksum}
@@ -163,15 +180,29 @@ class RolloutPool:
             "engine",
             "RolloutPoolConfig.num_engines",
             config.num_engines,
-            lambda i: (i, config.engine, config.batch_wait_s),
+            lambda i: (i, config.engine),
             max_concurrency=1000,
         )
         # fail at setup, not on the first request: wait until every engine has loaded its model
         ray.get([e.health.remote() for e in self._engines])
+        self._urls = None
+        if config.http is not None:
+            self._urls = ray.get([e.start_http.remote(config.http, config.served_model_name) for e in self._engines])
 
     def engines(self) -> list:
         """Handles of the engine actors, in engine-id order."""
         return list(self._engines)
+
+    def urls(self) -> list[str]:
+        """Base URLs of the engines' HTTP servers, in engine-id order.
+
+        Raises:
+            RuntimeError: if the pool was configured without ``http``.
+
+        """
+        if self._urls is None:
+            raise RuntimeError("RolloutPoolConfig.http is None: the engines serve no HTTP")
+        return list(self._urls)
 
     def num_engines(self) -> int:
         """How many engines the pool runs."""

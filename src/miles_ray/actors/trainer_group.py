@@ -22,12 +22,14 @@ import ray
 import torch
 from pydantic import Field, model_validator
 
+from miles_ray.algo.shaping import overlong_penalty
 from miles_ray.backends.base import OptimizerConfig, TorchBackendConfig
 from miles_ray.backends.objectives import (
     AdvantageConfig,
     GRPOAdvantageConfig,
     LossConfig,
     MismatchCorrectionConfig,
+    OverlongPenaltyConfig,
     PPOClipLossConfig,
     compute_advantages,
 )
@@ -53,6 +55,9 @@ class TrainerGroupConfig(StrictConfig):
         None, description="TIS/MIS weights from the engine's logprobs (ppo_clip loss only); None disables."
     )
     entropy_coef: float = Field(0.0, ge=0.0, le=1.0, description="Entropy bonus coefficient (0: logged only).")
+    overlong_penalty: OverlongPenaltyConfig | None = Field(
+        None, description="DAPO soft overlong penalty added to rewards before advantages; None disables."
+    )
     temperature: float = Field(
         1.0, gt=0.0, le=10.0, description="Rollout sampling temperature; the trainer's logits are divided by it."
     )
@@ -115,6 +120,10 @@ class TrainerWorker:
         samples = _fetch_samples(group_refs)
         batch = RolloutBatch.from_samples(samples, pad_id)
         group_ids = torch.tensor([s.group_id for s in samples])
+        if self.config.overlong_penalty is not None:
+            c = self.config.overlong_penalty
+            lengths = torch.tensor([len(s.response_ids) for s in samples])
+            batch.rewards = batch.rewards + overlong_penalty(lengths, c.max_len, c.buffer_len, c.penalty_factor)
         batch.advantages = compute_advantages(self.config.advantage, batch.rewards, group_ids, batch.response_mask)
         return batch, samples
 
@@ -125,6 +134,7 @@ class TrainerWorker:
         old = shard.rollout_logprobs if self.config.old_logprobs == "rollout" else None
         metrics = self.backend.train_step(shard, self.config.temperature, old_logprobs=old)
         metrics["advantage_abs_mean"] = float(batch.advantages.abs().mean())
+        metrics["shaped_reward_mean"] = float(batch.rewards.mean())
         return metrics
 
     def compute_logprobs(self, group_refs: list) -> list[list[float]] | None:

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Annotated, Literal
 
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from miles_ray.algo import gspo_loss, ppo_clip_loss, reinforce_pp_advantages, rloo_advantages
 from miles_ray.algo.advantages import grpo_advantages
@@ -91,6 +91,20 @@ class ReinforcePPAdvantageConfig(StrictConfig):
 AdvantageConfig = Annotated[
     GRPOAdvantageConfig | RLOOAdvantageConfig | ReinforcePPAdvantageConfig, Field(discriminator="kind")
 ]
+
+
+class OverlongPenaltyConfig(StrictConfig):
+    """DAPO soft overlong punishment added to rewards before advantages (``algo.shaping.overlong_penalty``)."""
+
+    max_len: int = Field(..., ge=1, description="Response length budget L_max in tokens.")
+    buffer_len: int = Field(..., ge=1, description="Soft zone before max_len where the penalty grows linearly.")
+    penalty_factor: float = Field(1.0, ge=0.0, le=100.0, description="Penalty at and beyond max_len.")
+
+    @model_validator(mode="after")
+    def _check(self) -> OverlongPenaltyConfig:
+        if self.buffer_len > self.max_len:
+            raise ValueError(f"buffer_len ({self.buffer_len}) must be <= max_len ({self.max_len})")
+        return self
 
 
 def compute_advantages(

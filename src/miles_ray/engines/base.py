@@ -61,12 +61,17 @@ class Completion:
 
 @dataclass
 class GenerateOutput:
-    """The ``n`` responses to one request, with the weight version that generated them."""
+    """The ``n`` responses to one request, with the weight versions that generated them.
+
+    ``weight_version`` is the version when the request finished, ``first_weight_version`` when it started;
+    they differ only if weights were updated mid-request (a pause ``in_place``, a partial rollout).
+    """
 
     request_id: str
     completions: list[Completion]
     weight_version: int
     engine_id: int = -1
+    first_weight_version: int = -1
 
 
 @runtime_checkable

@@ -1,7 +1,11 @@
 """Model specs for the embedded engine, and offline model sources (``hub``).
 
 ``build_engine_model(path)`` reads ``config.json`` and dispatches on ``model_type`` through
-``ENGINE_MODEL_SPECS``; a new architecture is one module plus one entry there.
+``ENGINE_MODEL_SPECS``; a new architecture is one module plus one entry there. What the engine needs
+from a model (see ``models/llama.py``): HF-named parameters, ``args.vocab_size``,
+``new_cache(num_slots, slot_len)`` returning a cache with ``copy_slot(src, dst, length)``,
+``kv_bytes_per_slot(slot_len)``, ``prefill(ids, lengths, cache, first_slot)`` and
+``decode(ids, positions, cache)``.
 """
 
 from __future__ import annotations

@@ -5,15 +5,17 @@ dict loads as is and weight sync sends HF-named tensors. The numerics follow HF'
 (fp32 RMSNorm, rotate-half RoPE computed in fp32), so in fp32 the engine's logprobs match a trainer's
 HF model to ~1e-5.
 
-Contract of ``forward``: the caller owns the cache layout. ``positions`` are RoPE positions per token,
-``cache_pos`` is the cache slot where this call's first token is written (same for all rows, because
-rows are left-padded to a common length), ``key_mask`` ``[B, cache_pos + S]`` marks valid cache slots.
+The cache is slot-based (``KVCache``): a sequence owns one slot and its token ``t`` sits at position
+``t`` (no padding inside a slot, so RoPE positions equal cache positions). ``prefill`` writes new prompts
+into a range of slots; ``decode`` advances the sequences in slots ``0..B-1`` by one token each, every
+sequence at its own length (continuous batching).
 
 Usage::
 
     model = LlamaModel.from_hf_dir(path, dtype=torch.float32)
-    cache = model.new_cache(batch_size=8, max_len=256)
-    logits = model(input_ids, positions, cache, cache_pos=0, key_mask=mask)   # [B, S, V]
+    cache = model.new_cache(num_slots=8, slot_len=256)
+    logits = model.prefill(ids, lengths, cache, first_slot=0)          # [P, V]
+    logits = model.decode(next_ids, positions, cache)                   # [B, V]
 """
 
 from __future__ import annotations
@@ -97,8 +99,38 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+@dataclass
+class AttnBatch:
+    """Where one forward call's tokens live in the slot KV cache.
+
+    ``prefill``: rows ``first_slot .. first_slot+P`` get new prompts written at positions ``0..S-1``
+    (right-padded; causal attention means padding never reaches a real token). ``decode``: rows
+    ``0..B-1`` (slots ``0..B-1``) each get one token at ``positions[b]`` and attend to slots ``0..positions[b]``.
+    """
+
+    mode: str  # "prefill" | "decode"
+    first_slot: int = 0
+    positions: torch.Tensor | None = None  # decode: [B] long
+    key_mask: torch.Tensor | None = None  # decode: [B, 1, 1, end] bool
+    end: int = 0  # decode: cache slots read
+
+
+def _decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_mask: torch.Tensor):
+    """One query per row over its cached keys: ``q`` ``[B, H, 1, D]``, ``keys``/``values`` ``[B, Hkv, L, D]``.
+
+    Query heads are grouped onto their KV head (GQA) with a view, and the softmax runs in fp32. On CPU this
+    is as exact as SDPA in fp32 and ~5x faster in bf16 (SDPA's CPU kernel is slow for one bf16 query row).
+    """
+    bsz, num_heads, _, dim = q.shape
+    num_kv = keys.shape[1]
+    grouped = q.view(bsz, num_kv, num_heads // num_kv, dim)
+    scores = torch.matmul(grouped, keys.transpose(-1, -2)).float() * dim**-0.5
+    probs = torch.softmax(scores.masked_fill(~key_mask, float("-inf")), dim=-1).to(values.dtype)
+    return torch.matmul(probs, values).view(bsz, num_heads, 1, dim)
+
+
 class Attention(nn.Module):
-    """Grouped-query attention writing into and reading from a preallocated KV cache."""
+    """Grouped-query attention writing into and reading from a slot KV cache."""
 
     def __init__(self, a: LlamaArgs):
         super().__init__()
@@ -108,21 +140,27 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(a.hidden_size, a.num_kv_heads * a.head_dim, bias=a.attention_bias)
         self.o_proj = nn.Linear(a.num_heads * a.head_dim, a.hidden_size, bias=False)
 
-    def forward(self, x, cos, sin, k_cache, v_cache, cache_pos: int, attn_mask) -> torch.Tensor:
-        """Attend ``x`` ``[B, S, H]`` over the cache after writing its keys/values at ``cache_pos``."""
+    def forward(self, x, cos, sin, k_cache, v_cache, batch: AttnBatch) -> torch.Tensor:
+        """Attend ``x`` ``[B, S, H]`` after writing its keys/values into the cache (see ``AttnBatch``)."""
         bsz, seq, _ = x.shape
         a = self.a
+        gqa = a.num_kv_heads != a.num_heads
         q = self.q_proj(x).view(bsz, seq, a.num_heads, a.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(bsz, seq, a.num_kv_heads, a.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(bsz, seq, a.num_kv_heads, a.head_dim).transpose(1, 2)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
-        end = cache_pos + seq
-        k_cache[:, :, cache_pos:end] = k
-        v_cache[:, :, cache_pos:end] = v
-        out = F.scaled_dot_product_attention(
-            q, k_cache[:, :, :end], v_cache[:, :, :end], attn_mask=attn_mask, enable_gqa=a.num_kv_heads != a.num_heads
-        )
+        if batch.mode == "prefill":
+            rows = slice(batch.first_slot, batch.first_slot + bsz)
+            k_cache[rows, :, :seq] = k
+            v_cache[rows, :, :seq] = v
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        else:
+            idx = torch.arange(bsz)
+            k_cache[idx, :, batch.positions] = k[:, :, 0]
+            v_cache[idx, :, batch.positions] = v[:, :, 0]
+            keys, values = k_cache[:bsz, :, : batch.end], v_cache[:bsz, :, : batch.end]
+            out = _decode_attention(q, keys, values, batch.key_mask)
         return self.o_proj(out.transpose(1, 2).reshape(bsz, seq, a.num_heads * a.head_dim))
 
 
@@ -150,9 +188,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
 
-    def forward(self, x, cos, sin, k_cache, v_cache, cache_pos, attn_mask):
+    def forward(self, x, cos, sin, k_cache, v_cache, batch: AttnBatch):
         """Residual attention then residual MLP."""
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, cache_pos, attn_mask)
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, batch)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -165,17 +203,22 @@ class _Backbone(nn.Module):
 
 
 class KVCache:
-    """Per-layer key/value tensors ``[B, num_kv_heads, max_len, head_dim]``."""
+    """Slot KV cache: per layer ``[num_slots, num_kv_heads, slot_len, head_dim]``; one slot per running sequence.
 
-    def __init__(self, a: LlamaArgs, batch_size: int, max_len: int, dtype: torch.dtype):
-        shape = (batch_size, a.num_kv_heads, max_len, a.head_dim)
+    The engine keeps its running sequences in slots ``0..B-1`` (a finished sequence's slot is refilled by
+    moving the last one in), so decode reads a contiguous view, never a gathered copy.
+    """
+
+    def __init__(self, a: LlamaArgs, num_slots: int, slot_len: int, dtype: torch.dtype):
+        shape = (num_slots, a.num_kv_heads, slot_len, a.head_dim)
+        self.num_slots, self.slot_len = num_slots, slot_len
         self.k = [torch.zeros(shape, dtype=dtype) for _ in range(a.num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype) for _ in range(a.num_layers)]
 
-    def select(self, rows: torch.Tensor) -> None:
-        """Keep only batch ``rows`` (drop finished sequences, or repeat a prompt's cache for its n samples)."""
-        self.k = [t.index_select(0, rows) for t in self.k]
-        self.v = [t.index_select(0, rows) for t in self.v]
+    def copy_slot(self, src: int, dst: int, length: int) -> None:
+        """Copy the first ``length`` positions of slot ``src`` into slot ``dst`` (prefix sharing, compaction)."""
+        for t in (*self.k, *self.v):
+            t[dst, :, :length] = t[src, :, :length]
 
 
 class LlamaModel(nn.Module):
@@ -216,45 +259,65 @@ class LlamaModel(nn.Module):
             raise ValueError(f"{path}: missing weights {missing[:5]}, unexpected weights {unexpected[:5]}")
         return model.to(dtype).eval().requires_grad_(False)
 
-    def new_cache(self, batch_size: int, max_len: int) -> KVCache:
-        """Allocate a KV cache in the model's dtype."""
-        return KVCache(self.args, batch_size, max_len, self.model.embed_tokens.weight.dtype)
+    def new_cache(self, num_slots: int, slot_len: int) -> KVCache:
+        """Allocate a slot KV cache in the model's dtype."""
+        return KVCache(self.args, num_slots, slot_len, self.model.embed_tokens.weight.dtype)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        cache: KVCache,
-        cache_pos: int,
-        key_mask: torch.Tensor,
-        last_only: bool = True,
-    ) -> torch.Tensor:
-        """Run ``S`` new tokens per row through the model.
+    def kv_bytes_per_slot(self, slot_len: int) -> int:
+        """KV cache memory of one sequence of ``slot_len`` tokens over all layers (keys and values)."""
+        a = self.args
+        return 2 * a.num_layers * a.num_kv_heads * slot_len * a.head_dim * self.model.embed_tokens.weight.element_size()
 
-        Args:
-            input_ids: ``[B, S]`` token ids.
-            positions: ``[B, S]`` RoPE positions.
-            cache: KV cache with at least ``cache_pos + S`` slots.
-            cache_pos: slot of the first new token.
-            key_mask: ``[B, cache_pos + S]`` bool, True on valid (non-padding) cache slots.
-            last_only: return logits of the last position only.
-
-        Returns:
-            ``[B, S, V]`` logits in fp32, or ``[B, V]`` with ``last_only``.
-
-        """
+    def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, batch: AttnBatch) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
         freqs = positions[..., None].float() * self.inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
         cos = emb.cos().to(x.dtype)[:, None]
         sin = emb.sin().to(x.dtype)[:, None]
-        seq = input_ids.shape[1]
-        end = cache_pos + seq
-        # causal within the new tokens, every earlier valid slot visible
-        causal = torch.ones(seq, end, dtype=torch.bool).tril(diagonal=cache_pos)
-        attn_mask = (causal[None] & key_mask[:, None, :end])[:, None]
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, cache.k[i], cache.v[i], cache_pos, attn_mask)
-        if last_only:
-            x = x[:, -1]
-        return self.lm_head(self.model.norm(x)).float()
+            x = layer(x, cos, sin, cache.k[i], cache.v[i], batch)
+        return x
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.model.norm(hidden)).float()
+
+    def prefill(
+        self, input_ids: torch.Tensor, lengths: torch.Tensor, cache: KVCache, first_slot: int, all_logits: bool = False
+    ) -> torch.Tensor:
+        """Write ``P`` prompts into cache slots ``first_slot..first_slot+P`` and return their next-token logits.
+
+        Args:
+            input_ids: ``[P, S]`` right-padded prompt ids.
+            lengths: ``[P]`` real prompt lengths (``<= S``).
+            cache: slot cache with ``slot_len >= S``.
+            first_slot: slot of the first prompt.
+            all_logits: return logits for every position instead.
+
+        Returns:
+            ``[P, V]`` fp32 logits at each prompt's last token, or ``[P, S, V]`` with ``all_logits``.
+
+        """
+        num_rows, seq = input_ids.shape
+        positions = torch.arange(seq).expand(num_rows, seq)
+        x = self._run(input_ids, positions, cache, AttnBatch("prefill", first_slot=first_slot))
+        if all_logits:
+            return self._logits(x)
+        return self._logits(x[torch.arange(num_rows), lengths - 1])
+
+    def decode(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """One token for each of the sequences in slots ``0..B-1``.
+
+        Args:
+            input_ids: ``[B]`` the token each sequence feeds now.
+            positions: ``[B]`` its position (= tokens already cached for that sequence).
+            cache: the slot cache.
+
+        Returns:
+            ``[B, V]`` fp32 next-token logits.
+
+        """
+        end = int(positions.max()) + 1
+        key_mask = (torch.arange(end)[None, :] <= positions[:, None])[:, None, None]
+        batch = AttnBatch("decode", positions=positions, key_mask=key_mask, end=end)
+        x = self._run(input_ids[:, None], positions[:, None], cache, batch)
+        return self._logits(x[:, 0])

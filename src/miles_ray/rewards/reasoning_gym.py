@@ -67,24 +67,34 @@ class ReasoningGymTask:
             ) from exc
         self.position = 0
 
-    def prompt_ids(self, entry: dict) -> list[int]:
-        """Chat-formatted prompt token ids of a dataset entry."""
+    def messages(self, entry: dict) -> list[dict]:
+        """The chat messages of a dataset entry (system prompt if set, then the question)."""
         question = entry["question"] + (" " + self.config.instruction if self.config.instruction else "")
         messages = [{"role": "user", "content": question}]
         if self.config.system_prompt is not None:
             messages.insert(0, {"role": "system", "content": self.config.system_prompt})
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return messages
+
+    def prompt_ids(self, entry: dict) -> list[int]:
+        """Chat-formatted prompt token ids of a dataset entry."""
+        text = self.tokenizer.apply_chat_template(self.messages(entry), tokenize=False, add_generation_prompt=True)
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def next_prompt(self) -> dict:
-        """The next problem, in order, wrapping around: ``{"prompt_ids", "entry", "index", "uid"}``.
+        """The next problem, in order, wrapping around: ``{"prompt_ids", "messages", "entry", "index", "uid"}``.
 
         ``uid`` counts every prompt handed out and never repeats (the GRPO group id).
         """
         index = self.position % self.config.size
         self.position += 1
         entry = self.dataset[index]
-        return {"prompt_ids": self.prompt_ids(entry), "entry": entry, "index": index, "uid": self.position - 1}
+        return {
+            "prompt_ids": self.prompt_ids(entry),
+            "messages": self.messages(entry),
+            "entry": entry,
+            "index": index,
+            "uid": self.position - 1,
+        }
 
     def reward(self, response_text: str, entry: dict) -> float:
         """Score in [0, 1] from the dataset's own ``score_answer``."""

@@ -1,0 +1,138 @@
+"""GRPO with a calculator tool: multi-turn rollouts through each engine's OpenAI chat API, token-exact.
+
+The policy may write ``<calc>EXPRESSION</calc>``; generation stops there, the rollout evaluates the
+expression and sends the result back as a ``tool`` message, and the policy continues. The final answer is
+scored by reasoning-gym. Each conversation becomes one training sample whose loss mask covers exactly the
+tokens the policy sampled (template and tool tokens are masked out; ``miles_ray.multiturn.merge_turns``).
+
+    python examples/tool_use.py --steps 10
+"""
+
+import argparse
+import ast
+import asyncio
+import json
+import operator
+import os
+import re
+import time
+from pathlib import Path
+
+import ray
+from openai import AsyncOpenAI
+from transformers import AutoTokenizer
+
+from miles_ray import actors, placement
+from miles_ray.engines.embedded import EmbeddedEngineConfig
+from miles_ray.engines.http_server import HttpServerConfig
+from miles_ray.models.hub import MODELS, model_dir
+from miles_ray.multiturn import ChatTurnRunner, tool_groups
+from miles_ray.rewards import ReasoningGymTask, ReasoningGymTaskConfig
+
+p = argparse.ArgumentParser(description=__doc__)
+p.add_argument("--model", choices=sorted(MODELS), default="smollm2-135m")
+p.add_argument("--steps", type=int, default=10)
+p.add_argument("--num-ranks", type=int, default=2, help="trainer ranks (and as many engines)")
+p.add_argument("--prompts-per-step", type=int, default=4)
+p.add_argument("--group-size", type=int, default=4)
+p.add_argument("--max-turns", type=int, default=3)
+p.add_argument("--lr", type=float, default=1e-5)
+p.add_argument("--out", default="runs/tool_use")
+args = p.parse_args()
+
+_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
+_CALL = re.compile(r"<calc>(.*?)</calc>", re.S)
+
+
+def _eval(node):  # arithmetic only: numbers, + - * /, parentheses, unary minus
+    if isinstance(node, ast.Constant) and isinstance(node.value, int | float):
+        return node.value
+    if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+        return _OPS[type(node.op)](_eval(node.left), _eval(node.right))
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        return -_eval(node.operand)
+    raise ValueError("only numbers and + - * / are allowed")
+
+
+def calculator(text: str) -> str | None:
+    """The tool: evaluate the last <calc>...</calc> of a response; None if the response calls no tool."""
+    calls = _CALL.findall(text)
+    if not calls:
+        return None
+    try:
+        value = _eval(ast.parse(calls[-1].strip(), mode="eval").body)
+        return str(int(value) if float(value).is_integer() else round(value, 6))
+    except (SyntaxError, ValueError, ZeroDivisionError) as exc:
+        return f"error: {exc}"
+
+
+async def main() -> None:
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(num_cpus=max(8, os.cpu_count() or 1))
+    path, n, out = str(model_dir(args.model)), args.num_ranks, Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    pl = placement.create(placement.colocated(n))
+    trainer = actors.TrainerGroup.remote(
+        actors.TrainerGroupConfig(model_path=path, num_ranks=n, optimizer={"lr": args.lr}), pl
+    )
+    pool_cfg = actors.RolloutPoolConfig(
+        num_engines=n,
+        engine=EmbeddedEngineConfig(model_path=path, max_seq_len=768),
+        http=HttpServerConfig(),  # 127.0.0.1, a free port per engine
+        served_model_name="policy",
+    )
+    pool = actors.RolloutPool.remote(pool_cfg, pl)
+    engines, urls = ray.get(pool.engines.remote()), ray.get(pool.urls.remote())
+    buffer = actors.ReplayBuffer.remote(actors.ReplayBufferConfig(max_staleness=0))
+    sync = actors.WeightBroadcaster.remote(
+        actors.WeightBroadcasterConfig(transport="shared_memory"), ray.get(trainer.workers.remote()), engines
+    )
+    task = ReasoningGymTask(
+        ReasoningGymTaskConfig(
+            dataset="basic_arithmetic",
+            dataset_kwargs={"min_terms": 2, "max_terms": 2, "min_digits": 2, "max_digits": 3, "operators": ["+", "*"]},
+            system_prompt="You have a calculator: write <calc>12*34</calc> and you will get the result. "
+            "Then reply with only the final number.",
+        ),
+        AutoTokenizer.from_pretrained(path),
+    )
+    runners = [
+        ChatTurnRunner(
+            AsyncOpenAI(base_url=f"{url}/v1", api_key="unused"),
+            "policy",
+            calculator,
+            max_turns=args.max_turns,
+            max_tokens=48,
+            stop=["</calc>"],
+        )
+        for url in urls
+    ]
+    version = ray.get(trainer.weight_version.remote())
+    ray.get(sync.sync.remote(version))
+    with open(out / "metrics.jsonl", "w") as log:
+        for step in range(args.steps):
+            t0 = time.perf_counter()
+            groups = await tool_groups(runners, task, args.group_size, args.prompts_per_step)
+            ray.get(buffer.add.remote(groups))
+            batch = ray.get(buffer.get_batch.remote(len(groups), current_version=version))
+            samples = [s for g in ray.get([g.ref for g in batch]) for s in g]
+            metrics = ray.get(trainer.train_step.remote(batch))
+            version = metrics["weight_version"]
+            ray.get(sync.sync.remote(version))
+            record = {
+                "step": step,
+                "reward_mean": sum(s.reward for s in samples) / len(samples),
+                "tool_calls_mean": sum(s.metadata["tool_calls"] for s in samples) / len(samples),
+                "policy_tokens_mean": sum(sum(s.loss_mask) for s in samples) / len(samples),
+                "masked_tokens_mean": sum(len(s.loss_mask) - sum(s.loss_mask) for s in samples) / len(samples),
+                "logprob_diff_max": metrics["train_rollout_logprob_abs_diff_max"],
+                "step_s": time.perf_counter() - t0,
+                "example": samples[0].response_text[:80],
+            }
+            log.write(json.dumps(record) + "\n")
+            log.flush()
+            print(json.dumps(record))
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

@@ -1,0 +1,94 @@
+"""``EngineLoop``: steps an embedded engine on a worker thread and gives asyncio callers awaitable requests.
+
+The engine actor and the HTTP server share one loop per engine, so Ray calls and HTTP requests join the
+same running batch. A request whose awaiting task is cancelled (a client that went away, a cancelled
+Ray task) is aborted, so it stops taking a slot.
+
+Usage::
+
+    loop = EngineLoop(EmbeddedEngine(config))
+    out = await loop.generate(GenerateRequest(prompt_ids=ids))
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+
+from miles_ray.engines.base import GenerateOutput, GenerateRequest
+from miles_ray.engines.embedded import EmbeddedEngine
+
+
+class EngineLoop:
+    """Runs ``engine.step()`` whenever the engine has work; idle otherwise."""
+
+    def __init__(self, engine: EmbeddedEngine):
+        self.engine = engine
+        self._wake = threading.Event()
+        self._ids = itertools.count()
+        self._thread = threading.Thread(target=self._run, name="miles-ray-engine-loop", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            if self.engine.has_work():
+                self.engine.step()
+            else:
+                self._wake.wait()
+                self._wake.clear()
+
+    def wake(self) -> None:
+        """Make the worker look for work now (after a submit, abort or resume)."""
+        self._wake.set()
+
+    async def generate(self, request: GenerateRequest) -> GenerateOutput:
+        """Submit ``request`` and wait for its output.
+
+        A request without ``request_id`` gets a unique one (``abort`` addresses requests by it).
+
+        Raises:
+            ValueError: for an invalid request (nothing is queued).
+
+        """
+        if not request.request_id:
+            request.request_id = f"req-{next(self._ids)}"
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+
+        def done(out: GenerateOutput) -> None:
+            loop.call_soon_threadsafe(_resolve, fut, out, None)
+
+        def failed(exc: BaseException) -> None:
+            loop.call_soon_threadsafe(_resolve, fut, None, exc)
+
+        self.engine.submit(request, done, failed)
+        self.wake()
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            self.abort(request.request_id)
+            raise
+
+    def abort(self, request_id: str | None = None) -> None:
+        """Abort one request (or all); its output so far is returned to its caller."""
+        self.engine.abort(request_id)
+        self.wake()
+
+    async def pause(self, mode: str = "abort") -> None:
+        """Pause the engine (see ``EmbeddedEngine.pause``); returns once no step is running."""
+        await asyncio.to_thread(self.engine.pause, mode)
+
+    def resume(self) -> None:
+        """Continue after ``pause``."""
+        self.engine.resume()
+        self.wake()
+
+
+def _resolve(fut: asyncio.Future, out: GenerateOutput | None, exc: BaseException | None) -> None:
+    if fut.done():  # cancelled meanwhile
+        return
+    if exc is not None:
+        fut.set_exception(exc)
+    else:
+        fut.set_result(out)

@@ -1,0 +1,194 @@
+"""Multi-turn trajectories from an OpenAI-compatible chat API, token-exact (token-in, token-out).
+
+Every chat call to a miles_ray engine returns the prompt exactly as the engine tokenised it
+(``prompt_token_ids``) and the sampled tokens with their logprobs (``choices[0].token_ids``, ``logprobs``).
+``merge_turns`` joins the turns of one conversation into training samples without re-tokenising
+anything: when a turn's prompt starts with the previous turn's prompt + response (the usual case), the
+new prompt tokens between them (chat-template tokens, tool output) join the sequence with loss mask 0
+and the new response with mask 1; when it does not (re-tokenisation drift: the template re-encoded an
+earlier response differently), the turn starts a new sample instead, so no trained token is ever
+one the policy did not sample.
+
+``ChatTurnRunner`` drives one conversation with tools through the ``openai`` client.
+
+Usage::
+
+    turns = [Turn(prompt_ids, token_ids, logprobs), ...]      # from successive chat responses
+    for seq in merge_turns(turns):                              # usually one
+        Sample(seq.prompt_ids, seq.response_ids, seq.logprobs, loss_mask=seq.loss_mask, ...)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import ray
+
+from miles_ray.actors.replay_buffer import GroupRef
+from miles_ray.rewards.safe import SafeReward
+from miles_ray.types import Sample
+
+
+@dataclass
+class Turn:
+    """One chat call: the prompt as the engine tokenised it, the sampled response and its logprobs."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str = "stop"
+    weight_version: int = 0
+
+
+@dataclass
+class Sequence:
+    """A trainable token sequence: ``prompt_ids`` then ``response_ids`` (policy tokens where ``loss_mask`` is 1)."""
+
+    prompt_ids: list[int]
+    response_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+
+    @property
+    def ids(self) -> list[int]:
+        """All tokens, prompt first."""
+        return self.prompt_ids + self.response_ids
+
+
+def merge_turns(turns: list[Turn]) -> list[Sequence]:
+    """Join turns into as few token-exact sequences as the engine's tokenisation allows (see module doc).
+
+    Raises:
+        ValueError: if a turn's logprobs and response lengths differ.
+
+    """
+    sequences: list[Sequence] = []
+    for i, t in enumerate(turns):
+        if len(t.response_ids) != len(t.logprobs):
+            raise ValueError(f"turn {i}: {len(t.response_ids)} response tokens but {len(t.logprobs)} logprobs")
+        current = sequences[-1] if sequences else None
+        if current is not None and t.prompt_ids[: len(current.ids)] == current.ids:
+            delta = t.prompt_ids[len(current.ids) :]  # template + tool tokens the policy did not sample
+            current.response_ids += delta
+            current.logprobs += [0.0] * len(delta)
+            current.loss_mask += [0] * len(delta)
+        else:
+            current = Sequence(list(t.prompt_ids))
+            sequences.append(current)
+        current.response_ids += t.response_ids
+        current.logprobs += t.logprobs
+        current.loss_mask += [1] * len(t.response_ids)
+    return sequences
+
+
+ToolFn = Callable[[str], Awaitable[str | None] | str | None]
+
+
+@dataclass
+class Conversation:
+    """What one tool-using conversation produced."""
+
+    messages: list[dict]
+    turns: list[Turn]
+    final_text: str
+    num_tool_calls: int
+
+
+class ChatTurnRunner:
+    """Runs a conversation: ask, let ``tool`` answer the policy's call, ask again, up to ``max_turns``.
+
+    ``tool(response_text)`` returns the tool output to send back (as a ``tool`` message), or None when
+    the response makes no tool call (the conversation ends there).
+
+    Args:
+        client: an ``openai.AsyncOpenAI`` client pointed at an engine's ``/v1``.
+        model: the served model name.
+        tool: the tool, sync or async.
+        max_turns: chat calls at most.
+        sampling: extra ``chat.completions.create`` arguments (``max_tokens``, ``temperature``, ``stop``...).
+
+    """
+
+    def __init__(self, client, model: str, tool: ToolFn, max_turns: int = 3, **sampling):
+        if max_turns < 1:
+            raise ValueError(f"max_turns must be >= 1, got {max_turns}")
+        self.client, self.model, self.tool, self.max_turns, self.sampling = client, model, tool, max_turns, sampling
+
+    async def run(self, messages: list[dict]) -> Conversation:
+        """Run one conversation starting from ``messages`` (not modified)."""
+        messages, turns, calls, text = list(messages), [], 0, ""
+        for _ in range(self.max_turns):
+            resp = await self.client.chat.completions.create(
+                model=self.model, messages=messages, logprobs=True, **self.sampling
+            )
+            choice = resp.choices[0]
+            text = choice.message.content
+            logprobs = [c.logprob for c in choice.logprobs.content]
+            version = int((resp.model_extra or {}).get("weight_version", 0))
+            turns.append(Turn(resp.prompt_token_ids, choice.token_ids, logprobs, choice.finish_reason, version))
+            messages.append({"role": "assistant", "content": text})
+            result = self.tool(text)
+            if inspect.isawaitable(result):
+                result = await result
+            if result is None:
+                break
+            calls += 1
+            messages.append({"role": "tool", "content": result})
+        return Conversation(messages, turns, text, calls)
+
+
+async def tool_groups(
+    runners: list[ChatTurnRunner], task, group_size: int, num_prompts: int, reward: SafeReward | None = None
+) -> list[GroupRef]:
+    """A rollout function for tool use: ``group_size`` conversations per prompt, rewarded on the final answer.
+
+    Conversations are spread round-robin over ``runners`` (one per engine URL). Each conversation becomes
+    one sample (more only if re-tokenisation drift split it, see ``merge_turns``) whose loss mask covers
+    exactly the tokens the policy sampled; every sample of a conversation gets its reward.
+
+    Args:
+        runners: one ``ChatTurnRunner`` per engine.
+        task: data source + reward with ``next_prompt()`` giving ``messages`` and ``entry`` (``ReasoningGymTask``).
+        group_size: conversations per prompt (the GRPO group).
+        num_prompts: prompts (groups).
+        reward: run safely; defaults to ``SafeReward(task.reward)``.
+
+    """
+    reward = reward or SafeReward(task.reward)
+    prompts = [task.next_prompt() for _ in range(num_prompts)]
+    jobs = [
+        runners[(i * group_size + j) % len(runners)].run(p["messages"])
+        for i, p in enumerate(prompts)
+        for j in range(group_size)
+    ]
+    conversations = await asyncio.gather(*jobs)
+    groups = []
+    for i, prompt in enumerate(prompts):
+        samples = []
+        for conv in conversations[i * group_size : (i + 1) * group_size]:
+            value, failure = reward(conv.final_text, prompt["entry"])
+            sequences = merge_turns(conv.turns)
+            for seq in sequences:
+                metadata = {"tool_calls": conv.num_tool_calls, "sequences": len(sequences)}
+                if failure is not None:
+                    metadata["reward_failure"] = f"{failure.kind}: {failure.message}"
+                samples.append(
+                    Sample(
+                        prompt_ids=seq.prompt_ids,
+                        response_ids=seq.response_ids,
+                        rollout_logprobs=seq.logprobs,
+                        loss_mask=[0] * len(seq.loss_mask) if failure else seq.loss_mask,
+                        reward=value,
+                        group_id=prompt["uid"],
+                        weight_version=min(t.weight_version for t in conv.turns),
+                        finish_reason=conv.turns[-1].finish_reason,
+                        response_text=conv.final_text,
+                        metadata=metadata,
+                    )
+                )
+        version = min(s.weight_version for s in samples)
+        groups.append(GroupRef(ray.put(samples), len(samples), version, prompt["uid"]))
+    return groups

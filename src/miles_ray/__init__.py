@@ -28,6 +28,8 @@ from miles_ray.actors import (
 )
 from miles_ray.engines.base import GenerateRequest, SamplingParams
 from miles_ray.engines.embedded import EmbeddedEngineConfig
+from miles_ray.engines.http_server import HttpServerConfig
+from miles_ray.hooks import TrainerHooksConfig
 from miles_ray.types import RolloutBatch, Sample
 
 __version__ = "0.1.0"
@@ -36,6 +38,7 @@ __all__ = [
     "EmbeddedEngineConfig",
     "GenerateRequest",
     "GroupRef",
+    "HttpServerConfig",
     "ReplayBuffer",
     "ReplayBufferConfig",
     "RolloutBatch",
@@ -47,6 +50,7 @@ __all__ = [
     "SamplingParams",
     "TrainerGroup",
     "TrainerGroupConfig",
+    "TrainerHooksConfig",
     "WeightBroadcaster",
     "WeightBroadcasterConfig",
     "WeightSyncError",

@@ -130,9 +130,23 @@ def test_router_evicts_killed_engine_and_retries(make_placement, tiny_model_path
     assert ray.get(pool.num_engines.remote()) == 2
 
 
-def test_checkpoint_round_trip(make_placement, tiny_model_path, tmp_path):
+def test_checkpoint_round_trip_and_hooks(make_placement, tiny_model_path, tmp_path):
+    """Save/train/load restores weights and version; every hook point runs on every rank with its arguments."""
+    marks = tmp_path / "marks"
+    marks.mkdir()
+
+    def mark(name):
+        def hook(ctx, *args):
+            detail = type(args[0]).__name__ if args else type(ctx.model).__name__
+            (marks / f"{name}-{ctx.rank}-{detail}").touch()
+            return {"hook_rank_sum": ctx.rank} if name == "after_train_step" else None
+
+        return hook
+
+    hooks = {point: [mark(point)] for point in ("after_init", "before_logprobs", "before_train_step", "after_save")}
+    hooks["after_train_step"] = [mark("after_train_step")]
     pl = make_placement(placement.colocated(2))
-    cfg = TrainerGroupConfig(model_path=tiny_model_path, num_ranks=2, optimizer={"lr": 1e-3})
+    cfg = TrainerGroupConfig(model_path=tiny_model_path, num_ranks=2, optimizer={"lr": 1e-3}, hooks=hooks)
     trainer = TrainerGroup.remote(cfg, pl)
     workers = ray.get(trainer.workers.remote())
     plan = ray.get(workers[0].sync_plan.remote("float32", 1 << 30))
@@ -148,12 +162,27 @@ def test_checkpoint_round_trip(make_placement, tiny_model_path, tmp_path):
     from miles_ray.types import Sample
 
     samples = [Sample([1, 2, 3], [4 + i, 5], [-1.0, -1.0], reward=float(i), group_id=0) for i in range(4)]
-    ray.get(trainer.train_step.remote([GroupRef(ray.put(samples), 4, 0, 0)]))
+    group = [GroupRef(ray.put(samples), 4, 0, 0)]
+    metrics = ray.get(trainer.train_step.remote(group))
+    ray.get(trainer.compute_logprobs.remote(group))
     assert checksum() != before
     assert ray.get(trainer.weight_version.remote()) == 1
     ray.get(trainer.load.remote(str(tmp_path / "ckpt")))
     assert checksum() == before
     assert ray.get(trainer.weight_version.remote()) == 0
+    assert metrics["hook_rank_sum"] == 0  # rank 0's metrics, with its hook's dict merged in
+    expected = {
+        f"{p}-{r}-{d}"
+        for r in (0, 1)
+        for p, d in [
+            ("after_init", "FSDPLlamaForCausalLM"),
+            ("before_train_step", "RolloutBatch"),
+            ("after_train_step", "dict"),
+            ("before_logprobs", "RolloutBatch"),
+            ("after_save", "str"),
+        ]
+    }
+    assert {m.name for m in marks.iterdir()} == expected
 
 
 def test_failing_reward_gives_zero_weight_and_run_goes_on(make_placement, tiny_model_path):

@@ -22,6 +22,8 @@ EXPECTED = [
     "RolloutBatch",
     "SamplingParams",
     "EmbeddedEngineConfig",
+    "HttpServerConfig",
+    "TrainerHooksConfig",
     "placement",
 ]
 

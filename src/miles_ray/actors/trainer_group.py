@@ -34,6 +34,7 @@ from miles_ray.backends.objectives import (
     compute_advantages,
 )
 from miles_ray.config import StrictConfig
+from miles_ray.hooks import HookContext, Hooks, TrainerHooksConfig
 from miles_ray.placement.groups import Placement
 from miles_ray.sync.checksum import buckets_checksum
 from miles_ray.sync.plan import SyncPlan
@@ -65,6 +66,9 @@ class TrainerGroupConfig(StrictConfig):
         "current",
         description="Behaviour logprobs in the PPO ratio: the current policy's (exact for one step per batch) or "
         "the engine's rollout logprobs.",
+    )
+    hooks: TrainerHooksConfig = Field(
+        default_factory=TrainerHooksConfig, description="User callables run on every rank at fixed points."
     )
     seed: int = Field(0, description="torch seed on every rank.")
 
@@ -115,6 +119,9 @@ class TrainerWorker:
         self.backend = TorchBackend(
             c.backend, c.optimizer, c.loss, c.model_path, correction=c.mismatch_correction, entropy_coef=c.entropy_coef
         )
+        self.hooks = Hooks(c.hooks)
+        self.ctx = HookContext(self.rank, self.world_size, self.backend.model, self.backend.optimizer, c)
+        self.hooks.call("after_init", self.ctx)
 
     def _batch(self, group_refs: list, pad_id: int = 0) -> tuple[RolloutBatch, list[Sample]]:
         samples = _fetch_samples(group_refs)
@@ -131,16 +138,19 @@ class TrainerWorker:
         """Train one optimizer step on this rank's shard of the groups' samples."""
         batch, _ = self._batch(group_refs)
         shard = batch.shard(self.rank, self.world_size)
+        self.hooks.call("before_train_step", self.ctx, shard)
         old = shard.rollout_logprobs if self.config.old_logprobs == "rollout" else None
         metrics = self.backend.train_step(shard, self.config.temperature, old_logprobs=old)
         metrics["advantage_abs_mean"] = float(batch.advantages.abs().mean())
         metrics["shaped_reward_mean"] = float(batch.rewards.mean())
+        metrics.update(self.hooks.call("after_train_step", self.ctx, metrics))
         return metrics
 
     def compute_logprobs(self, group_refs: list) -> list[list[float]] | None:
         """Every sample's response-token logprobs under the current weights (rank 0 returns them)."""
         batch, samples = self._batch(group_refs)
         shard = batch.shard(self.rank, self.world_size)
+        self.hooks.call("before_logprobs", self.ctx, shard)
         lp = self.backend.compute_logprobs(shard, self.config.temperature)
         parts = [None] * self.world_size
         import torch.distributed as dist
@@ -186,6 +196,7 @@ class TrainerWorker:
     def save(self, path: str) -> None:
         """Collective checkpoint save."""
         self.backend.save(path)
+        self.hooks.call("after_save", self.ctx, path)
 
     def load(self, path: str) -> None:
         """Collective checkpoint load."""

@@ -12,7 +12,7 @@ Usage::
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import torch
 from pydantic import Field, model_validator
@@ -20,6 +20,7 @@ from pydantic import Field, model_validator
 from miles_ray.algo import gspo_loss, ppo_clip_loss, reinforce_pp_advantages, rloo_advantages
 from miles_ray.algo.advantages import grpo_advantages
 from miles_ray.config import StrictConfig
+from miles_ray.rewards.safe import resolve_callable
 
 
 class PPOClipLossConfig(StrictConfig):
@@ -59,13 +60,49 @@ class MismatchCorrectionConfig(StrictConfig):
     cap: float = Field(2.0, gt=1.0, le=100.0, description="Ratio bound (tis: max weight; mis: [1/cap, cap]).")
 
 
-LossConfig = Annotated[PPOClipLossConfig | GSPOLossConfig, Field(discriminator="kind")]
+class CustomLossConfig(StrictConfig):
+    """A user policy loss: ``fn(logprobs, old_logprobs, advantages, mask, **kwargs) -> (loss, metrics)``.
+
+    Shapes as ``algo.losses.ppo_clip_loss``: ``[B, T]`` tensors, ``advantages`` ``[B]`` or ``[B, T]``; ``loss``
+    is a scalar tensor averaged over this micro-batch's ``normalizer`` units (the backend re-weights it to
+    the global batch), ``metrics`` a dict of floats (token-weighted means are logged as ``m/<name>``).
+    """
+
+    kind: Literal["custom"] = "custom"
+    fn: str | Callable[..., Any] = Field(..., description="The loss: a callable or an import path 'pkg.mod:fn'.")
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments passed to fn.")
+    normalizer: Literal["tokens", "sequences"] = Field(
+        "tokens", description="What fn averages over: tokens (token mean) or sequences."
+    )
+
+    @model_validator(mode="after")
+    def _resolvable(self) -> CustomLossConfig:
+        resolve_callable(self.fn, "loss.fn")  # fail where the config is made
+        return self
 
 
-def resolve_loss(config: PPOClipLossConfig | GSPOLossConfig) -> tuple[Callable, dict]:
+LossConfig = Annotated[PPOClipLossConfig | GSPOLossConfig | CustomLossConfig, Field(discriminator="kind")]
+
+
+def resolve_loss(config: PPOClipLossConfig | GSPOLossConfig | CustomLossConfig) -> tuple[Callable, dict]:
     """The loss function a config selects and the keyword arguments to call it with."""
+    if config.kind == "custom":
+        return _checked(resolve_callable(config.fn, "loss.fn")), dict(config.kwargs)
     fn = {"ppo_clip": ppo_clip_loss, "gspo": gspo_loss}[config.kind]
     return fn, config.model_dump(exclude={"kind"})
+
+
+def _checked(fn: Callable) -> Callable:
+    """Wrap a user loss so a wrong return type fails with a message naming the contract."""
+
+    def loss(*args, **kwargs):
+        out = fn(*args, **kwargs)
+        ok = isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], torch.Tensor) and out[0].ndim == 0
+        if not ok or not isinstance(out[1], dict):
+            raise TypeError(f"loss.fn {fn!r} must return (scalar tensor, dict of floats), got {type(out).__name__}")
+        return out
+
+    return loss
 
 
 class GRPOAdvantageConfig(StrictConfig):

@@ -12,18 +12,20 @@ Usage (inside a rank whose ``torch.distributed`` default group is initialised)::
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.distributed as dist
 
 from miles_ray.algo import importance_weights, masked_aggregate
 from miles_ray.backends.base import OptimizerConfig, TorchBackendConfig
-from miles_ray.backends.objectives import GSPOLossConfig, MismatchCorrectionConfig, PPOClipLossConfig, resolve_loss
+from miles_ray.backends.objectives import (
+    CustomLossConfig,
+    GSPOLossConfig,
+    MismatchCorrectionConfig,
+    PPOClipLossConfig,
+    resolve_loss,
+)
 from miles_ray.sync.plan import Bucket, SyncPlan, plan_buckets
 from miles_ray.types import RolloutBatch
-
-LossFn = Callable[..., tuple[torch.Tensor, dict[str, float]]]
 
 
 def token_logprobs(
@@ -52,17 +54,15 @@ class TorchBackend:
         self,
         config: TorchBackendConfig,
         optim: OptimizerConfig,
-        loss: PPOClipLossConfig | GSPOLossConfig,
+        loss: PPOClipLossConfig | GSPOLossConfig | CustomLossConfig,
         model_path: str,
-        loss_fn: LossFn | None = None,
         correction: MismatchCorrectionConfig | None = None,
         entropy_coef: float = 0.0,
     ):
         from transformers import AutoModelForCausalLM
 
         self.config, self.optim_config, self.loss_config = config, optim, loss
-        selected, self.loss_kwargs = resolve_loss(loss)
-        self.loss_fn = loss_fn or selected
+        self.loss_fn, self.loss_kwargs = resolve_loss(loss)
         if correction is not None and loss.kind != "ppo_clip":
             raise ValueError(f"mismatch_correction weights tokens; loss kind {loss.kind!r} has a sequence ratio")
         self.correction, self.entropy_coef = correction, entropy_coef

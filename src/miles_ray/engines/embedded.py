@@ -248,15 +248,21 @@ class EmbeddedEngine:
 
         Raises:
             ValueError: for an invalid request (before any is queued).
+            RuntimeError: if the engine is paused (``resume()`` first), or gets paused meanwhile; the
+                unfinished requests stay queued.
 
         """
         for r in requests:
             self.validate(r)
+        if self._paused:
+            raise RuntimeError("the engine is paused: resume() before generate()")
         results: dict[int, GenerateOutput] = {}
         errors: list[BaseException] = []
         for i, r in enumerate(requests):
             self.submit(r, lambda out, i=i: results.__setitem__(i, out), errors.append)
-        while len(results) + len(errors) < len(requests) and not self._paused:
+        while len(results) + len(errors) < len(requests):
+            if self._paused:
+                raise RuntimeError(f"the engine was paused with {len(requests) - len(results)} requests unfinished")
             self.step()
         if errors:
             raise errors[0]

@@ -117,3 +117,26 @@ def test_tis_weights_and_entropy_bonus_change_the_update(tiny_model_path):
     with pytest.raises(ValueError, match="sequence ratio"):
         TorchBackend(TorchBackendConfig(), OptimizerConfig(), GSPOLossConfig(), tiny_model_path,
                      correction=MismatchCorrectionConfig())  # fmt: skip
+
+
+def test_custom_loss_extension_point(tiny_model_path):
+    """A loss given by import path runs through the same path as the built-in one: same loss, same update."""
+    from miles_ray.backends.objectives import CustomLossConfig
+
+    def update(loss_config):
+        torch.manual_seed(0)
+        backend = TorchBackend(TorchBackendConfig(), OptimizerConfig(lr=1e-3), loss_config, tiny_model_path)
+        before = _params(backend)
+        metrics = backend.train_step(_batch(GRPOAdvantageConfig()), temperature=1.0)
+        return metrics, _params(backend) - before
+
+    builtin_m, builtin = update(PPOClipLossConfig(clip_high=0.28))
+    custom_m, custom = update(
+        CustomLossConfig(fn="miles_ray.algo.losses:ppo_clip_loss", kwargs={"clip_low": 0.2, "clip_high": 0.28})
+    )
+    assert custom_m["loss"] == pytest.approx(builtin_m["loss"], rel=1e-6)
+    torch.testing.assert_close(custom, builtin)
+    with pytest.raises(ValueError, match="loss.fn 'nope:fn' cannot be imported"):
+        CustomLossConfig(fn="nope:fn")
+    with pytest.raises(TypeError, match=r"must return \(scalar tensor, dict of floats\)"):
+        update(CustomLossConfig(fn=lambda lp, old, adv, mask: lp.sum()))

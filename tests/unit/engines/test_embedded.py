@@ -150,6 +150,8 @@ def test_pause_abort_ends_everything_in_flight(engine):
     queued = _submit(engine, GenerateRequest(PROMPT, SamplingParams(max_new_tokens=3)))
     engine.step()
     assert "out" not in queued  # paused: new requests wait
+    with pytest.raises(RuntimeError, match="the engine is paused"):
+        engine.generate([GenerateRequest(PROMPT, SamplingParams(max_new_tokens=3))])
     engine.resume()
     while "out" not in queued:
         engine.step()

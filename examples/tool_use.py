@@ -66,6 +66,22 @@ def calculator(text: str) -> str | None:
         return f"error: {exc}"
 
 
+class FewShotTask(ReasoningGymTask):
+    """Shows the policy one calculator exchange before each question (a 135M model needs the example)."""
+
+    EXAMPLE = [
+        {"role": "user", "content": "What is 12 * 34?"},
+        {"role": "assistant", "content": "<calc>12*34</calc>"},
+        {"role": "tool", "content": "408"},
+        {"role": "assistant", "content": "408"},
+    ]
+
+    def messages(self, entry: dict) -> list[dict]:
+        """The system prompt, the worked example, then the question."""
+        system, *rest = super().messages(entry)
+        return [system, *self.EXAMPLE, *rest]
+
+
 async def main() -> None:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(num_cpus=max(8, os.cpu_count() or 1))
@@ -87,10 +103,11 @@ async def main() -> None:
     sync = actors.WeightBroadcaster.remote(
         actors.WeightBroadcasterConfig(transport="shared_memory"), ray.get(trainer.workers.remote()), engines
     )
-    task = ReasoningGymTask(
+    sizes = {"min_terms": 2, "max_terms": 2, "min_digits": 2, "max_digits": 3, "operators": ["+", "*"]}
+    task = FewShotTask(
         ReasoningGymTaskConfig(
             dataset="basic_arithmetic",
-            dataset_kwargs={"min_terms": 2, "max_terms": 2, "min_digits": 2, "max_digits": 3, "operators": ["+", "*"]},
+            dataset_kwargs={**sizes, "allow_negation": False, "allow_parentheses": False},
             system_prompt="You have a calculator: write <calc>12*34</calc> and you will get the result. "
             "Then reply with only the final number.",
         ),

@@ -256,3 +256,21 @@ def test_overlong_penalty_shapes_rewards_before_advantages(ray_cluster, tiny_mod
     batch, _ = TrainerWorker(0, 1, config)._batch([ref])  # no backend needed to build a batch
     assert batch.rewards.tolist() == [1.0, 0.5, 0.0]
     assert batch.advantages[0] > batch.advantages[1] > batch.advantages[2]
+
+
+def test_kl_as_reward_penalty_on_two_ranks(make_placement, tiny_model_path):
+    from miles_ray.actors.replay_buffer import GroupRef
+    from miles_ray.types import Sample
+
+    pl = make_placement(placement.colocated(2))
+    cfg = TrainerGroupConfig(
+        model_path=tiny_model_path, num_ranks=2, optimizer={"lr": 1e-2}, kl={"coef": 0.5, "mode": "reward"}
+    )
+    trainer = TrainerGroup.remote(cfg, pl)
+    samples = [Sample([1, 2, 3], [4 + i, 5, 6], [-1.0] * 3, reward=float(i % 2), group_id=i // 2) for i in range(4)]
+    group = [GroupRef(ray.put(samples), 4, 0, 0)]
+    first = ray.get(trainer.train_step.remote(group))
+    second = ray.get(trainer.train_step.remote(group))
+    assert first["kl_reward_penalty_mean"] == pytest.approx(0.0, abs=1e-6)  # policy == reference at the start
+    assert abs(second["kl_reward_penalty_mean"]) > 0  # the policy moved; the reference did not
+    assert second["shaped_reward_mean"] == pytest.approx(0.5 - second["kl_reward_penalty_mean"], abs=1e-6)

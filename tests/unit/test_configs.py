@@ -42,6 +42,10 @@ from miles_ray.rewards import ReasoningGymTaskConfig
         (TrainerGroupConfig, {"model_path": "x", "entropy_coef": -1}, "entropy_coef"),
         (TrainerGroupConfig, {"model_path": "x", "advantage": {"kind": "vtrace"}}, "advantage"),
         (TrainerGroupConfig, {"model_path": "x", "loss": {"kind": "gspo", "aggregation": "token_mean"}}, "aggregation"),
+        (TrainerGroupConfig, {"model_path": "x", "kl": {"coef": 0.1, "mode": "advantage"}}, "mode"),
+        (TrainerGroupConfig, {"model_path": "x", "kl": {"coef": -1}}, "coef"),
+        (TrainerGroupConfig, {"model_path": "x", "overlong_penalty": {"max_len": 8, "buffer_len": 9}}, "buffer_len"),
+        (EmbeddedEngineConfig, {"model_path": "x", "kv_cache_memory_gb": 0}, "kv_cache_memory_gb"),
     ],
 )
 def test_bad_value_names_the_field(cls, kwargs, field):

@@ -27,6 +27,7 @@ from miles_ray.backends.base import OptimizerConfig, TorchBackendConfig
 from miles_ray.backends.objectives import (
     AdvantageConfig,
     GRPOAdvantageConfig,
+    KLConfig,
     LossConfig,
     MismatchCorrectionConfig,
     OverlongPenaltyConfig,
@@ -56,6 +57,9 @@ class TrainerGroupConfig(StrictConfig):
         None, description="TIS/MIS weights from the engine's logprobs (ppo_clip loss only); None disables."
     )
     entropy_coef: float = Field(0.0, ge=0.0, le=1.0, description="Entropy bonus coefficient (0: logged only).")
+    kl: KLConfig | None = Field(
+        None, description="KL to a frozen reference model (the initial weights), as loss or reward; None disables."
+    )
     overlong_penalty: OverlongPenaltyConfig | None = Field(
         None, description="DAPO soft overlong penalty added to rewards before advantages; None disables."
     )
@@ -117,7 +121,13 @@ class TrainerWorker:
         torch.manual_seed(self.config.seed)
         c = self.config
         self.backend = TorchBackend(
-            c.backend, c.optimizer, c.loss, c.model_path, correction=c.mismatch_correction, entropy_coef=c.entropy_coef
+            c.backend,
+            c.optimizer,
+            c.loss,
+            c.model_path,
+            correction=c.mismatch_correction,
+            entropy_coef=c.entropy_coef,
+            kl=c.kl,
         )
         self.hooks = Hooks(c.hooks)
         self.ctx = HookContext(self.rank, self.world_size, self.backend.model, self.backend.optimizer, c)
@@ -126,23 +136,42 @@ class TrainerWorker:
     def _batch(self, group_refs: list, pad_id: int = 0) -> tuple[RolloutBatch, list[Sample]]:
         samples = _fetch_samples(group_refs)
         batch = RolloutBatch.from_samples(samples, pad_id)
-        group_ids = torch.tensor([s.group_id for s in samples])
         if self.config.overlong_penalty is not None:
             c = self.config.overlong_penalty
             lengths = torch.tensor([len(s.response_ids) for s in samples])
             batch.rewards = batch.rewards + overlong_penalty(lengths, c.max_len, c.buffer_len, c.penalty_factor)
-        batch.advantages = compute_advantages(self.config.advantage, batch.rewards, group_ids, batch.response_mask)
+        self._advantages(batch, samples)
         return batch, samples
+
+    def _advantages(self, batch: RolloutBatch, samples: list[Sample]) -> None:
+        group_ids = torch.tensor([s.group_id for s in samples])
+        batch.advantages = compute_advantages(self.config.advantage, batch.rewards, group_ids, batch.response_mask)
+
+    def _all_ranks(self, local: torch.Tensor) -> torch.Tensor:
+        """Concatenate every rank's ``local`` tensor in rank order (the shards are contiguous slices)."""
+        import torch.distributed as dist
+
+        parts = [None] * self.world_size
+        dist.all_gather_object(parts, local)
+        return torch.cat(parts)
 
     def train_step(self, group_refs: list) -> dict[str, float]:
         """Train one optimizer step on this rank's shard of the groups' samples."""
-        batch, _ = self._batch(group_refs)
+        batch, samples = self._batch(group_refs)
+        kl_penalty = None
+        if self.config.kl is not None and self.config.kl.mode == "reward":  # before advantages, on the full batch
+            seq_kl = self.backend.sequence_kl(batch.shard(self.rank, self.world_size), self.config.temperature)
+            kl_penalty = self.config.kl.coef * self._all_ranks(seq_kl)
+            batch.rewards = batch.rewards - kl_penalty
+            self._advantages(batch, samples)
         shard = batch.shard(self.rank, self.world_size)
         self.hooks.call("before_train_step", self.ctx, shard)
         old = shard.rollout_logprobs if self.config.old_logprobs == "rollout" else None
         metrics = self.backend.train_step(shard, self.config.temperature, old_logprobs=old)
         metrics["advantage_abs_mean"] = float(batch.advantages.abs().mean())
         metrics["shaped_reward_mean"] = float(batch.rewards.mean())
+        if kl_penalty is not None:
+            metrics["kl_reward_penalty_mean"] = float(kl_penalty.mean())
         metrics.update(self.hooks.call("after_train_step", self.ctx, metrics))
         return metrics
 
@@ -151,14 +180,9 @@ class TrainerWorker:
         batch, samples = self._batch(group_refs)
         shard = batch.shard(self.rank, self.world_size)
         self.hooks.call("before_logprobs", self.ctx, shard)
-        lp = self.backend.compute_logprobs(shard, self.config.temperature)
-        parts = [None] * self.world_size
-        import torch.distributed as dist
-
-        dist.all_gather_object(parts, lp)
+        full = self._all_ranks(self.backend.compute_logprobs(shard, self.config.temperature))
         if self.rank != 0:
             return None
-        full = torch.cat(parts)
         return [full[i][batch.response_mask[i] > 0].tolist() for i in range(len(samples))]
 
     # --- weight sync ----------------------------------------------------------------------------

@@ -130,6 +130,20 @@ AdvantageConfig = Annotated[
 ]
 
 
+class KLConfig(StrictConfig):
+    """KL to a frozen reference model (the initial weights), as a loss term or as a reward penalty.
+
+    ``loss``: ``coef * aggregate(kl_estimate(policy, ref))`` joins the policy loss (GRPO's k3 term).
+    ``reward``: ``coef * sum_t (log pi - log ref)`` (k1, the sequence KL) is subtracted from each sample's
+    reward before advantages (InstructGPT/PPO-style). The reference lives on the trainer ranks (same
+    placement, sharded like the policy under FSDP2, no gradients).
+    """
+
+    coef: float = Field(..., ge=0.0, le=100.0, description="KL coefficient beta.")
+    estimator: Literal["k1", "k2", "k3"] = Field("k3", description="Per-token KL estimator (loss mode).")
+    mode: Literal["loss", "reward"] = Field("loss", description="KL as a loss term or as a reward penalty.")
+
+
 class OverlongPenaltyConfig(StrictConfig):
     """DAPO soft overlong punishment added to rewards before advantages (``algo.shaping.overlong_penalty``)."""
 

@@ -15,11 +15,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from miles_ray.algo import importance_weights, masked_aggregate
+from miles_ray.algo import importance_weights, kl_estimate, masked_aggregate
 from miles_ray.backends.base import OptimizerConfig, TorchBackendConfig
 from miles_ray.backends.objectives import (
     CustomLossConfig,
     GSPOLossConfig,
+    KLConfig,
     MismatchCorrectionConfig,
     PPOClipLossConfig,
     resolve_loss,
@@ -58,6 +59,7 @@ class TorchBackend:
         model_path: str,
         correction: MismatchCorrectionConfig | None = None,
         entropy_coef: float = 0.0,
+        kl: KLConfig | None = None,
     ):
         from transformers import AutoModelForCausalLM
 
@@ -81,6 +83,12 @@ class TorchBackend:
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay
         )
+        self.kl, self.ref_model = kl, None
+        if kl is not None:  # the frozen reference: the initial weights, placed and sharded like the policy
+            ref = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation="sdpa")
+            ref.config.use_cache = False
+            ref = ref.requires_grad_(False).eval().to(self.device)
+            self.ref_model = ref if config.parallel == "ddp" else self._wrap(ref)  # DDP refuses frozen models
 
     def _wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         if self.config.parallel == "ddp":
@@ -96,7 +104,7 @@ class TorchBackend:
         fully_shard(model, mesh=mesh)
         return model
 
-    def _forward_logprobs(self, input_ids, attention_mask, response_mask, temperature):
+    def _forward_logprobs(self, input_ids, attention_mask, response_mask, temperature, model=None):
         """``[B, T-1]`` next-token logprobs, computed only from the first response position on.
 
         The LM head and log-softmax over the vocabulary dominate a small model's cost; prompt positions
@@ -108,15 +116,20 @@ class TorchBackend:
         start = int(nonzero[0]) if nonzero.numel() else width - 1
         keep = torch.arange(start, width, device=self.device)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.config.autocast == "bfloat16"):
-            out = self.model(input_ids=input_ids, attention_mask=attention_mask.to(self.device), logits_to_keep=keep)
+            out = (model or self.model)(
+                input_ids=input_ids, attention_mask=attention_mask.to(self.device), logits_to_keep=keep
+            )
         lp, entropy = token_logprobs(out.logits, input_ids[:, start + 1 :], temperature)
         pad = lp.new_zeros(lp.shape[0], start)
         return torch.cat([pad, lp], dim=1), torch.cat([pad, entropy], dim=1)
 
     @torch.no_grad()
-    def compute_logprobs(self, batch: RolloutBatch, temperature: float) -> torch.Tensor:
-        """``[B, T-1]`` logprobs of this rank's batch, micro-batched, in fp32 on CPU."""
-        self.model.eval()
+    def compute_logprobs(self, batch: RolloutBatch, temperature: float, reference: bool = False) -> torch.Tensor:
+        """``[B, T-1]`` logprobs of this rank's batch (the reference model's with ``reference``), fp32 on CPU."""
+        if reference and self.ref_model is None:
+            raise RuntimeError("no reference model: set TrainerGroupConfig.kl")
+        model = self.ref_model if reference else self.model
+        model.eval()
         mbs = self.config.micro_batch_size
         parts = [
             self._forward_logprobs(
@@ -124,10 +137,17 @@ class TorchBackend:
                 batch.attention_mask[i : i + mbs],
                 batch.response_mask[i : i + mbs],
                 temperature,
+                model,
             )[0].cpu()
             for i in range(0, batch.num_samples, mbs)
         ]
         return torch.cat(parts)
+
+    def sequence_kl(self, batch: RolloutBatch, temperature: float) -> torch.Tensor:
+        """``[B]`` k1 sequence KL ``sum_t (log pi - log ref)`` over each sample's trained tokens (no grad)."""
+        policy = self.compute_logprobs(batch, temperature)
+        ref = self.compute_logprobs(batch, temperature, reference=True)
+        return ((policy - ref) * batch.response_mask).sum(-1)
 
     def _global_sum(self, value: float) -> float:
         t = torch.tensor([value], dtype=torch.float64, device=self.device if self.device.type == "cuda" else "cpu")
@@ -162,6 +182,7 @@ class TorchBackend:
             "tokens": 0.0,
             "entropy_sum": 0.0,
             "clipped_tokens": 0.0,
+            "ref_kl_sum": 0.0,
         }
         lp_diff_max = 0.0
         starts = list(range(0, batch.num_samples, mbs))
@@ -182,6 +203,15 @@ class TorchBackend:
                 extra["token_weights"] = weights
                 sums["clipped_tokens"] += wm["weight_clipped_frac"] * tokens
             loss, m = self.loss_fn(logprobs, old, adv, mask, **self.loss_kwargs, **extra)
+            if self.kl is not None and self.kl.mode == "loss":
+                with torch.no_grad():
+                    ref_lp, _ = self._forward_logprobs(
+                        batch.input_ids[sl], batch.attention_mask[sl], mask_all[sl], temperature, self.ref_model
+                    )
+                kl_tokens = kl_estimate(logprobs, ref_lp, self.kl.estimator)
+                mode = "token_mean" if per_token else "seq_mean_token_mean"  # same units as the policy loss
+                loss = loss + self.kl.coef * masked_aggregate(kl_tokens, mask, mode)
+                sums["ref_kl_sum"] += float((kl_tokens.detach() * mask).sum())
             if self.entropy_coef > 0:  # entropy bonus: maximise entropy, so subtract it from the loss
                 mode = "token_mean" if per_token else "seq_mean_token_mean"  # same units as the policy loss
                 loss = loss - self.entropy_coef * masked_aggregate(entropy, mask, mode)
@@ -216,6 +246,7 @@ class TorchBackend:
             "train_rollout_k3_kl": r["k3_sum"] / tokens,
             "entropy": r["entropy_sum"] / tokens,
             "is_weight_clipped_frac": r["clipped_tokens"] / tokens,
+            "ref_kl": r["ref_kl_sum"] / tokens,
             "num_tokens": r["tokens"],
         }
 

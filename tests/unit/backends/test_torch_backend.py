@@ -140,3 +140,30 @@ def test_custom_loss_extension_point(tiny_model_path):
         CustomLossConfig(fn="nope:fn")
     with pytest.raises(TypeError, match=r"must return \(scalar tensor, dict of floats\)"):
         update(CustomLossConfig(fn=lambda lp, old, adv, mask: lp.sum()))
+
+
+@pytest.mark.parametrize("parallel", ["fsdp2", "ddp"])
+def test_kl_to_reference_as_loss(tiny_model_path, parallel):
+    """Step 1: policy == reference, so KL and its gradient are 0 (same update as no KL); step 2 they are not."""
+    from miles_ray.backends.objectives import KLConfig
+
+    def two_steps(kl):
+        torch.manual_seed(0)
+        backend = TorchBackend(TorchBackendConfig(parallel=parallel), OptimizerConfig(lr=1e-2), PPOClipLossConfig(),
+                               tiny_model_path, kl=kl)  # fmt: skip
+        updates, metrics = [], []
+        for _ in range(2):
+            before = _params(backend)
+            metrics.append(backend.train_step(_batch(GRPOAdvantageConfig()), temperature=1.0))
+            updates.append(_params(backend) - before)
+        return backend, updates, metrics
+
+    _, plain, _ = two_steps(None)
+    backend, with_kl, m = two_steps(KLConfig(coef=1.0, estimator="k3"))
+    assert m[0]["ref_kl"] == pytest.approx(0.0, abs=1e-7) and m[1]["ref_kl"] > 0
+    torch.testing.assert_close(with_kl[0], plain[0])
+    assert not torch.allclose(with_kl[1], plain[1])
+    seq = backend.sequence_kl(_batch(GRPOAdvantageConfig()), temperature=1.0)  # policy moved, reference did not
+    assert seq.shape == (8,) and seq.abs().sum() > 0
+    ref = backend.compute_logprobs(_batch(GRPOAdvantageConfig()), 1.0, reference=True)
+    assert not torch.allclose(ref, backend.compute_logprobs(_batch(GRPOAdvantageConfig()), 1.0))

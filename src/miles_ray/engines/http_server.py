@@ -342,7 +342,7 @@ class EngineServer:
             raise RequestError(f"{unknown[0]} is not supported by the embedded engine", unknown[0])
         logprobs = body.get("logprobs")
         alternatives = body.get("top_logprobs") if chat else logprobs
-        if alternatives not in (None, False, 0, True if chat else 0):
+        if alternatives is not None and alternatives is not False and alternatives != 0:
             field = "top_logprobs" if chat else "logprobs"
             raise RequestError(f"{field} > 0 (alternative tokens) is not supported; sampled-token logprobs are", field)
         raw = {k: v for k, v in body.items() if k in _OPENAI_PARAMS and v is not None}

@@ -116,8 +116,9 @@ def test_openai_chat_returns_trainable_tokens(server, tiny_model_path):
         assert all(c.logprob <= 0 for c in choice.logprobs.content)
     with pytest.raises(BadRequestError, match="stream=true is not supported"):
         client.chat.completions.create(model="tiny", messages=messages, stream=True)
-    with pytest.raises(BadRequestError, match="top_logprobs"):
-        client.chat.completions.create(model="tiny", messages=messages, logprobs=True, top_logprobs=3)
+    for alternatives in (1, 3):
+        with pytest.raises(BadRequestError, match="top_logprobs"):
+            client.chat.completions.create(model="tiny", messages=messages, logprobs=True, top_logprobs=alternatives)
 
 
 def test_weight_update_and_version(server, tiny_model_path):

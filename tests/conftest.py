@@ -17,6 +17,28 @@ def tiny_model_path() -> str:
 
 
 @pytest.fixture(scope="session")
+def hf(tiny_model_path):
+    """The tiny model as a plain HF module (the reference the engine's numerics are checked against)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_path).eval()
+
+
+@pytest.fixture(scope="session")
+def teacher_forced(hf):
+    """``(prompt_ids, response_ids) -> [len(response_ids)]`` fp32 logprobs of the response under ``hf``."""
+    import torch
+
+    def logprobs(prompt: list[int], tokens: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            logits = hf(input_ids=torch.tensor([prompt + tokens])).logits[0].float()
+        lp = torch.log_softmax(logits[len(prompt) - 1 : -1], -1)
+        return lp.gather(1, torch.tensor(tokens)[:, None])[:, 0]
+
+    return logprobs
+
+
+@pytest.fixture(scope="session")
 def ray_cluster():
     """One real local Ray cluster for the whole session; 8 logical CPUs so fractional actors fit on 2 cores."""
     import ray

@@ -29,6 +29,7 @@ import ray
 
 from miles_ray.actors.replay_buffer import GroupRef
 from miles_ray.rewards.safe import SafeReward
+from miles_ray.rollout import apply_reward
 from miles_ray.types import Sample
 
 
@@ -169,18 +170,16 @@ async def tool_groups(
     for i, prompt in enumerate(prompts):
         samples = []
         for conv in conversations[i * group_size : (i + 1) * group_size]:
-            value, failure = reward(conv.final_text, prompt["entry"])
             sequences = merge_turns(conv.turns)
             for seq in sequences:
                 metadata = {"tool_calls": conv.num_tool_calls, "sequences": len(sequences)}
-                if failure is not None:
-                    metadata["reward_failure"] = f"{failure.kind}: {failure.message}"
+                value, loss_mask = apply_reward(reward, conv.final_text, prompt["entry"], seq.loss_mask, metadata)
                 samples.append(
                     Sample(
                         prompt_ids=seq.prompt_ids,
                         response_ids=seq.response_ids,
                         rollout_logprobs=seq.logprobs,
-                        loss_mask=[0] * len(seq.loss_mask) if failure else seq.loss_mask,
+                        loss_mask=loss_mask,
                         reward=value,
                         group_id=prompt["uid"],
                         weight_version=min(t.weight_version for t in conv.turns),

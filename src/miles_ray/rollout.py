@@ -30,6 +30,20 @@ from miles_ray.rewards.safe import SafeReward, resolve_callable
 from miles_ray.types import Sample
 
 
+def apply_reward(reward: SafeReward, text: str, entry, loss_mask: list[int], metadata: dict) -> tuple[float, list[int]]:
+    """Score ``text``; on a reward failure record why in ``metadata`` and zero the loss mask.
+
+    Returns:
+        ``(reward value, loss mask to train with)``.
+
+    """
+    value, failure = reward(text, entry)
+    if failure is None:
+        return value, loss_mask
+    metadata["reward_failure"] = f"{failure.kind}: {failure.message}"
+    return value, [0] * len(loss_mask)
+
+
 def has_reward_signal(samples: list[Sample]) -> bool:
     """DAPO dynamic-sampling filter: keep a group only if its rewards are not all equal."""
     rewards = torch.tensor([s.reward for s in samples])
@@ -90,16 +104,14 @@ def _generate_round(router, task, params: SamplingParams, num_prompts: int, rewa
     for prompt, out in zip(prompts, ray.get(futures)):
         samples = []
         for c in out.completions:
-            value, failure = reward(c.text, prompt["entry"])
             metadata = {"answer": prompt["entry"].get("answer"), "engine_id": out.engine_id}
-            if failure is not None:
-                metadata["reward_failure"] = f"{failure.kind}: {failure.message}"
+            value, loss_mask = apply_reward(reward, c.text, prompt["entry"], [1] * len(c.token_ids), metadata)
             samples.append(
                 Sample(
                     prompt_ids=prompt["prompt_ids"],
                     response_ids=c.token_ids,
                     rollout_logprobs=c.logprobs,
-                    loss_mask=[0 if failure else 1] * len(c.token_ids),
+                    loss_mask=loss_mask,
                     reward=value,
                     group_id=prompt["uid"],
                     weight_version=out.weight_version,

@@ -306,7 +306,7 @@ class EmbeddedEngine:
             req.first_version = self._version
             self._deliver(req)
         finished = [i for i, row in enumerate(self._running) if abort_all or row.req.request.request_id in ids]
-        self._retire(finished, reason="abort")
+        self._retire({s: "abort" for s in finished})
 
     def _admit(self) -> list[_Request]:
         admitted, free, budget = [], self.num_slots - len(self._running), self.config.max_prefill_tokens
@@ -369,27 +369,26 @@ class EmbeddedEngine:
         rows = self._running[first:]
         params = [r.req.request.params for r in rows]
         tokens, lps = _sample(logits, params, [r.gen for r in rows], self.config.dtype == "float32")
-        finished, reasons = [], {}
+        reasons = {}
         for b, (r, tok, lp) in enumerate(zip(rows, tokens.tolist(), lps.tolist())):
             r.tokens.append(tok)
             r.logprobs.append(lp)
             p = r.req.request.params
             if tok in r.stop_ids or _hit_stop_string(self.tokenizer, r.tokens, p.stop):
-                finished.append(first + b)
                 reasons[first + b] = "stop"
             elif len(r.tokens) >= p.max_new_tokens:
-                finished.append(first + b)
                 reasons[first + b] = "length"
-        self._retire(finished, reasons=reasons)
+        self._retire(reasons)
 
-    def _retire(self, slots: list[int], reason: str = "", reasons: dict[int, str] | None = None) -> None:
-        """Finish the rows in ``slots``; the last running row moves into each freed slot (descending order)."""
-        for s in sorted(slots, reverse=True):
+    def _retire(self, reasons: dict[int, str]) -> None:
+        """Finish the row in each slot of ``reasons`` (slot -> finish reason), descending.
+
+        The last running row moves into each freed slot, so running rows stay in slots ``0..B-1``.
+        """
+        for s in sorted(reasons, reverse=True):
             row = self._running[s]
             text = self.tokenizer.decode(row.tokens, skip_special_tokens=True)
-            row.req.completions[row.index] = Completion(
-                row.tokens, row.logprobs, reasons[s] if reasons else reason, text
-            )
+            row.req.completions[row.index] = Completion(row.tokens, row.logprobs, reasons[s], text)
             last = len(self._running) - 1
             if s != last:
                 self._cache.copy_slot(last, s, self._running[last].length)

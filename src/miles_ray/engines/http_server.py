@@ -164,9 +164,7 @@ class EngineServer:
         if len(rids) != len(prompts):
             raise RequestError(f"rid has {len(rids)} entries for {len(prompts)} prompts", param="rid")
         reqs = [GenerateRequest(p, params, rid or f"gen-{uuid.uuid4().hex[:12]}") for p, rid in zip(prompts, rids)]
-        for r in reqs:
-            self.engine.validate(r)
-        outs = await asyncio.gather(*(self.loop.generate(r) for r in reqs))
+        outs = await self._run(reqs)
         logprob = bool(body.get("return_logprob"))
         items = [_sglang_item(out, r, c, logprob) for out, r in zip(outs, reqs) for c in out.completions]
         return web.json_response(items if batch or params.n > 1 else items[0])
@@ -358,6 +356,7 @@ class EngineServer:
         raise RequestError("each prompt must be a string or a list of token ids", "prompt")
 
     async def _run(self, reqs: list[GenerateRequest]) -> list[GenerateOutput]:
+        """Run ``reqs`` together; all are validated first, so a bad one queues none."""
         for r in reqs:
             self.engine.validate(r)
         return list(await asyncio.gather(*(self.loop.generate(r) for r in reqs)))

@@ -10,13 +10,6 @@ def engine(tiny_model_path):
     return EmbeddedEngine(EmbeddedEngineConfig(model_path=tiny_model_path, max_batch_size=16, max_seq_len=128))
 
 
-@pytest.fixture(scope="module")
-def hf(tiny_model_path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(tiny_model_path).eval()
-
-
 PROMPT = [1, 50, 60, 70, 80]
 
 
@@ -24,13 +17,6 @@ def _submit(engine, request):
     box = {}
     engine.submit(request, lambda out: box.__setitem__("out", out), lambda exc: box.__setitem__("err", exc))
     return box
-
-
-def _teacher_forced_logprobs(hf, prompt, tokens):
-    with torch.no_grad():
-        logits = hf(input_ids=torch.tensor([prompt + tokens])).logits[0].float()
-    lp = torch.log_softmax(logits[len(prompt) - 1 : -1], -1)
-    return lp.gather(1, torch.tensor(tokens)[:, None])[:, 0]
 
 
 def test_n_samples_lengths_and_logprobs(engine):
@@ -42,7 +28,7 @@ def test_n_samples_lengths_and_logprobs(engine):
     assert len({tuple(c.token_ids) for c in out.completions}) > 1  # the group's samples differ
 
 
-def test_logprobs_equal_teacher_forced_hf_under_continuous_batching(engine, hf):
+def test_logprobs_equal_teacher_forced_hf_under_continuous_batching(engine, teacher_forced):
     """fp32: every sampled token's logprob equals HF's recomputation to 1e-5, whatever shared the batch."""
     requests = [
         GenerateRequest(PROMPT, SamplingParams(n=3, max_new_tokens=20, ignore_eos=True, seed=3)),
@@ -58,7 +44,7 @@ def test_logprobs_equal_teacher_forced_hf_under_continuous_batching(engine, hf):
     worst = 0.0
     for r, b in zip(requests, boxes):
         for c in b["out"].completions:
-            ref = _teacher_forced_logprobs(hf, r.prompt_ids, c.token_ids)
+            ref = teacher_forced(r.prompt_ids, c.token_ids)
             worst = max(worst, (torch.tensor(c.logprobs) - ref).abs().max().item())
     assert worst < 1e-5
 

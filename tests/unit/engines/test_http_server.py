@@ -11,25 +11,12 @@ import torch
 KEY = "test-key"  # the key the `server` fixture (tests/conftest.py) starts the engine with
 
 
-@pytest.fixture(scope="module")
-def hf(tiny_model_path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(tiny_model_path).eval()
-
-
 def _auth() -> dict:
     return {"Authorization": f"Bearer {KEY}"}
 
 
 def _post(url, route, body, key=True):
     return requests.post(f"{url}{route}", json=body, headers=_auth() if key else {}, timeout=120)
-
-
-def _teacher_forced(hf, prompt, tokens):
-    with torch.no_grad():
-        logits = hf(input_ids=torch.tensor([prompt + tokens])).logits[0].float()
-    return torch.log_softmax(logits[len(prompt) - 1 : -1], -1).gather(1, torch.tensor(tokens)[:, None])[:, 0]
 
 
 PROMPT = [1, 50, 60, 70, 80]
@@ -42,7 +29,7 @@ def test_bearer_token_is_required(server):
     assert requests.get(f"{server}/health_generate", headers=_auth(), timeout=60).status_code == 200
 
 
-def test_generate_returns_ids_and_exact_logprobs(server, hf):
+def test_generate_returns_ids_and_exact_logprobs(server, teacher_forced):
     body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 12, "ignore_eos": True, "sampling_seed": 3}}
     r = _post(server, "/generate", {**body, "return_logprob": True, "rid": "g1"})
     assert r.status_code == 200, r.text
@@ -52,7 +39,7 @@ def test_generate_returns_ids_and_exact_logprobs(server, hf):
     assert meta["prompt_tokens"] == 5 and meta["completion_tokens"] == 12 == len(out["output_ids"])
     lps = [lp for lp, tok, _ in meta["output_token_logprobs"]]
     assert [tok for _, tok, _ in meta["output_token_logprobs"]] == out["output_ids"]
-    ref = _teacher_forced(hf, PROMPT, out["output_ids"])
+    ref = teacher_forced(PROMPT, out["output_ids"])
     assert (torch.tensor(lps) - ref).abs().max().item() < 1e-5
     again = _post(server, "/generate", {**body, "rid": "g2"}).json()  # same seed, same tokens
     assert again["output_ids"] == out["output_ids"] and "output_token_logprobs" not in again["meta_info"]
@@ -85,7 +72,7 @@ def test_invalid_requests_get_4xx_and_the_engine_stays_up(server, body, match):
     assert ok.status_code == 200
 
 
-def test_openai_completions_with_token_prompt(server, hf):
+def test_openai_completions_with_token_prompt(server, teacher_forced):
     from openai import OpenAI
 
     client = OpenAI(base_url=f"{server}/v1", api_key=KEY)
@@ -95,7 +82,7 @@ def test_openai_completions_with_token_prompt(server, hf):
     )
     choice = resp.choices[0]
     assert choice.prompt_token_ids == PROMPT and len(choice.token_ids) == 8
-    ref = _teacher_forced(hf, PROMPT, choice.token_ids)
+    ref = teacher_forced(PROMPT, choice.token_ids)
     assert (torch.tensor(choice.logprobs.token_logprobs) - ref).abs().max().item() < 1e-5
     assert resp.usage.completion_tokens == 8 and resp.usage.prompt_tokens == 5
 

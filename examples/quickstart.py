@@ -20,8 +20,8 @@ from miles_ray.engines import SamplingParams
 from miles_ray.engines.embedded import EmbeddedEngineConfig
 from miles_ray.models.hub import MODELS, model_dir
 from miles_ray.report import plot_run, read_jsonl
-from miles_ray.rewards import ReasoningGymTask, ReasoningGymTaskConfig
-from miles_ray.rollout import generate_groups
+from miles_ray.rewards import ReasoningGymTask, one_digit_arithmetic
+from miles_ray.rollout import RolloutFunctionConfig
 
 p = argparse.ArgumentParser(description=__doc__)
 p.add_argument("--topology", choices=["colocated", "disaggregated"], default="colocated")
@@ -32,6 +32,7 @@ p.add_argument("--prompts-per-step", type=int, default=8)
 p.add_argument("--group-size", type=int, default=8)
 p.add_argument("--max-new-tokens", type=int, default=24)
 p.add_argument("--lr", type=float, default=1e-5)
+p.add_argument("--rollout-fn", default="miles_ray.rollout:generate_groups", help="rollout function import path")
 p.add_argument("--out", default="runs/quickstart")
 p.add_argument("--address", default=None, help="Ray cluster address (default: start a local one)")
 args = p.parse_args()
@@ -65,13 +66,9 @@ broadcaster = actors.WeightBroadcaster.options(name="miles_ray/weight_broadcaste
 )
 
 # --- task: one-digit sums and differences, scored by reasoning-gym's own score_answer -------------
-digits = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1, "operators": ["+", "-"]}
-task_cfg = ReasoningGymTaskConfig(
-    dataset="basic_arithmetic", seed=1, dataset_kwargs={**digits, "allow_negation": False, "allow_parentheses": False},
-    system_prompt="You are a calculator. Reply with only the result.", instruction="Reply with just the number.",
-)  # fmt: skip
-task = ReasoningGymTask(task_cfg, AutoTokenizer.from_pretrained(model_path))
+task = ReasoningGymTask(one_digit_arithmetic(seed=1), AutoTokenizer.from_pretrained(model_path))
 sampling = SamplingParams(n=args.group_size, max_new_tokens=args.max_new_tokens, temperature=temperature)
+rollout = RolloutFunctionConfig(fn=args.rollout_fn).resolve()  # (router, task, params, n) -> [GroupRef]
 
 # --- the GRPO loop: rollout -> buffer -> train -> sync -------------------------------------------
 log_path = out_dir / "metrics.jsonl"
@@ -80,7 +77,7 @@ ray.get(broadcaster.sync.remote(version))
 with open(log_path, "w") as log, tqdm(range(args.steps), desc="GRPO") as bar:
     for step in bar:
         t0 = time.perf_counter()
-        ray.get(buffer.add.remote(generate_groups(router, task, sampling, args.prompts_per_step)))
+        ray.get(buffer.add.remote(rollout(router, task, sampling, args.prompts_per_step)))
         batch = ray.get(buffer.get_batch.remote(args.prompts_per_step, current_version=version))
         samples = [s for g in ray.get([g.ref for g in batch]) for s in g]
         t1 = time.perf_counter()

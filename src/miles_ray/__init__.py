@@ -7,13 +7,18 @@ Five standalone actors, each with a typed config beside it:
 - ``Router`` (load balancing, health checks, eviction)
 - ``ReplayBuffer`` (sample groups by reference, staleness bound)
 - ``WeightBroadcaster`` (trainer -> engine weight sync, bucketed, versioned, verified)
+- for PPO: ``CriticGroup`` (value model ranks) and ``ReferenceGroup`` (frozen reference ranks)
 
 ``miles_ray.placement`` plans colocated or disaggregated placement groups. See ``examples/quickstart.py``.
 """
 
 from miles_ray import placement
 from miles_ray.actors import (
+    CriticGroup,
+    CriticGroupConfig,
     GroupRef,
+    ReferenceGroup,
+    ReferenceGroupConfig,
     ReplayBuffer,
     ReplayBufferConfig,
     RolloutPool,
@@ -35,10 +40,14 @@ from miles_ray.types import RolloutBatch, Sample
 __version__ = "0.1.0"
 
 __all__ = [
+    "CriticGroup",
+    "CriticGroupConfig",
     "EmbeddedEngineConfig",
     "GenerateRequest",
     "GroupRef",
     "HttpServerConfig",
+    "ReferenceGroup",
+    "ReferenceGroupConfig",
     "ReplayBuffer",
     "ReplayBufferConfig",
     "RolloutBatch",

@@ -1,8 +1,10 @@
 """The default rollout function: prompts -> Router -> rewarded sample groups in the object store.
 
-A rollout function has the signature ``(router, task, sampling_params, num_prompts) -> list[GroupRef]``;
-pass another callable (or an import path, resolved with ``miles_ray.rewards.safe.resolve_callable``) to
-change how samples are generated (multi-turn, tools, agents).
+A rollout function has the signature ``(router, task, sampling_params, num_prompts, **kwargs) ->
+list[GroupRef]``; ``RolloutFunctionConfig(fn=...)`` takes another callable or an import path, resolves it once
+and checks every call's result against that contract, to change how samples are generated (multi-turn,
+tools, agents). A data source (``task``) hands out prompts with ``next_prompt()``; each one is checked
+against ``PROMPT_FIELDS`` before it is sent.
 
 Rewards run through ``SafeReward``: a reward function that raises, hangs past its timeout or returns NaN
 yields a sample with zero weight (loss mask all 0), reward 0 and ``metadata["reward_failure"]`` set.
@@ -19,14 +21,17 @@ Usage::
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import ray
 import torch
+from pydantic import Field, model_validator
 
 from miles_ray.actors.replay_buffer import GroupRef
 from miles_ray.algo.shaping import has_reward_variance
+from miles_ray.config import StrictConfig
 from miles_ray.engines.base import GenerateRequest, SamplingParams
-from miles_ray.rewards.safe import SafeReward, resolve_callable
+from miles_ray.rewards.safe import SafeGroupReward, SafeReward, resolve_callable
 from miles_ray.types import Sample
 
 
@@ -37,11 +42,71 @@ def apply_reward(reward: SafeReward, text: str, entry, loss_mask: list[int], met
         ``(reward value, loss mask to train with)``.
 
     """
-    value, failure = reward(text, entry)
+    return record_reward(*reward(text, entry), loss_mask, metadata)
+
+
+def record_reward(value: float, failure, loss_mask: list[int], metadata: dict) -> tuple[float, list[int]]:
+    """The reward-failure rule: a failed reward gives zero weight (loss mask all 0) and a recorded reason."""
     if failure is None:
         return value, loss_mask
     metadata["reward_failure"] = f"{failure.kind}: {failure.message}"
     return value, [0] * len(loss_mask)
+
+
+# What a data source's next_prompt() must return (extra keys, e.g. "messages" for chat rollouts, are kept)
+PROMPT_FIELDS: dict[str, type] = {"prompt_ids": list, "entry": dict, "index": int, "uid": int}
+
+
+def check_prompt(prompt: Any, source: object) -> dict:
+    """Validate one ``next_prompt()`` result against ``PROMPT_FIELDS``.
+
+    Raises:
+        ValueError: naming the data source's class and the missing or mistyped field.
+
+    """
+    name = f"{type(source).__name__}.next_prompt()"
+    if not isinstance(prompt, dict):
+        raise ValueError(f"{name} must return a dict with {sorted(PROMPT_FIELDS)}, got {type(prompt).__name__}")
+    for key, kind in PROMPT_FIELDS.items():
+        if key not in prompt:
+            raise ValueError(f"{name} returned no {key!r} (needs {sorted(PROMPT_FIELDS)})")
+        if not isinstance(prompt[key], kind) or isinstance(prompt[key], bool):
+            raise ValueError(f"{name}[{key!r}] must be {kind.__name__}, got {type(prompt[key]).__name__}")
+    ids = prompt["prompt_ids"]
+    if not ids or not all(isinstance(t, int) and t >= 0 for t in ids):
+        raise ValueError(f"{name}['prompt_ids'] must be a non-empty list of token ids (ints >= 0)")
+    return prompt
+
+
+class RolloutFunctionConfig(StrictConfig):
+    """Which rollout function a driver calls: ``fn(router, task, params, num_prompts, **kwargs) -> list[GroupRef]``."""
+
+    fn: str | Callable[..., Any] = Field(
+        "miles_ray.rollout:generate_groups", description="The rollout function: a callable or 'pkg.mod:fn'."
+    )
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="Extra keyword arguments for every call.")
+
+    @model_validator(mode="after")
+    def _resolvable(self) -> RolloutFunctionConfig:
+        resolve_callable(self.fn, "rollout.fn")  # fail where the config is made
+        return self
+
+    def resolve(self) -> Callable[..., list[GroupRef]]:
+        """The function, wrapped so a result that breaks the contract fails with a message naming it."""
+        fn, extra = resolve_callable(self.fn, "rollout.fn"), dict(self.kwargs)
+
+        def rollout(router, task, params: SamplingParams, num_prompts: int, **kwargs) -> list[GroupRef]:
+            out = fn(router, task, params, num_prompts, **extra, **kwargs)
+            if not isinstance(out, list) or not all(
+                isinstance(g, GroupRef) and isinstance(g.ref, ray.ObjectRef) for g in out
+            ):
+                kinds = sorted({type(g).__name__ for g in out}) if isinstance(out, list) else type(out).__name__
+                raise TypeError(
+                    f"rollout.fn {fn!r} must return a list of GroupRef (samples put in the object store), got {kinds}"
+                )
+            return out
+
+        return rollout
 
 
 def has_reward_signal(samples: list[Sample]) -> bool:
@@ -67,7 +132,8 @@ def generate_groups(
         task: a data source + reward with ``next_prompt()`` and ``reward(text, entry)`` (``ReasoningGymTask``).
         params: sampling parameters; ``params.n`` is the group size.
         num_prompts: groups to return.
-        reward: the reward function, run safely; defaults to ``SafeReward(task.reward)``.
+        reward: the reward function, run safely; defaults to ``SafeReward(task.reward)``. A
+            ``SafeGroupReward`` scores each prompt's responses in one call.
         group_filter: keep a group only if ``group_filter(samples)`` is true (callable or import path, e.g.
             ``"miles_ray.rollout:has_reward_signal"`` for DAPO dynamic sampling); dropped groups are replaced
             by fresh prompts in the next round.
@@ -96,16 +162,20 @@ def generate_groups(
 
 def _generate_round(router, task, params: SamplingParams, num_prompts: int, reward: SafeReward):
     """``num_prompts`` rewarded groups as ``(samples, weight_version, uid)``."""
-    prompts = [task.next_prompt() for _ in range(num_prompts)]
+    prompts = [check_prompt(task.next_prompt(), task) for _ in range(num_prompts)]
     futures = [
         router.generate.remote(GenerateRequest(p["prompt_ids"], params, request_id=f"p{p['index']}")) for p in prompts
     ]
     groups = []
     for prompt, out in zip(prompts, ray.get(futures)):
         samples = []
-        for c in out.completions:
+        if isinstance(reward, SafeGroupReward):  # one call scores the whole group
+            scored = reward([c.text for c in out.completions], prompt["entry"])
+        else:
+            scored = [reward(c.text, prompt["entry"]) for c in out.completions]
+        for c, (value, failure) in zip(out.completions, scored):
             metadata = {"answer": prompt["entry"].get("answer"), "engine_id": out.engine_id}
-            value, loss_mask = apply_reward(reward, c.text, prompt["entry"], [1] * len(c.token_ids), metadata)
+            value, loss_mask = record_reward(value, failure, [1] * len(c.token_ids), metadata)
             samples.append(
                 Sample(
                     prompt_ids=prompt["prompt_ids"],

@@ -117,10 +117,20 @@ class RolloutBatch:
             weight_versions=torch.tensor([s.weight_version for s in samples], dtype=torch.long),
         )
 
+    @staticmethod
+    def shard_slice(num_samples: int, rank: int, world_size: int) -> slice:
+        """The contiguous slice of ``num_samples`` that data-parallel ``rank`` trains on.
+
+        Raises:
+            ValueError: if the samples do not split evenly over the ranks.
+
+        """
+        if num_samples % world_size:
+            raise ValueError(f"batch of {num_samples} samples does not split over {world_size} ranks")
+        per = num_samples // world_size
+        return slice(rank * per, (rank + 1) * per)
+
     def shard(self, rank: int, world_size: int) -> RolloutBatch:
-        """The contiguous slice of samples that data-parallel ``rank`` trains on."""
-        if self.num_samples % world_size:
-            raise ValueError(f"batch of {self.num_samples} samples does not split over {world_size} ranks")
-        per = self.num_samples // world_size
-        sl = slice(rank * per, (rank + 1) * per)
+        """The contiguous slice of samples that data-parallel ``rank`` trains on (``shard_slice``)."""
+        sl = self.shard_slice(self.num_samples, rank, world_size)
         return RolloutBatch(**{k: getattr(self, k)[sl] for k in self.__dataclass_fields__})

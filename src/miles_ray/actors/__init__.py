@@ -1,5 +1,7 @@
-"""The five actors: TrainerGroup, RolloutPool, Router, ReplayBuffer, WeightBroadcaster (with their configs)."""
+"""The actors, each with its config: the five core ones and PPO's CriticGroup and ReferenceGroup."""
 
+from miles_ray.actors.critic_group import CriticGroup, CriticGroupConfig
+from miles_ray.actors.reference import ReferenceGroup, ReferenceGroupConfig
 from miles_ray.actors.replay_buffer import GroupRef, ReplayBuffer, ReplayBufferConfig
 from miles_ray.actors.rollout_pool import EngineActor, RolloutPool, RolloutPoolConfig
 from miles_ray.actors.router import NoHealthyEngineError, Router, RouterConfig
@@ -7,9 +9,13 @@ from miles_ray.actors.trainer_group import TrainerGroup, TrainerGroupConfig, Tra
 from miles_ray.actors.weight_broadcaster import WeightBroadcaster, WeightBroadcasterConfig, WeightSyncError
 
 __all__ = [
+    "CriticGroup",
+    "CriticGroupConfig",
     "EngineActor",
     "GroupRef",
     "NoHealthyEngineError",
+    "ReferenceGroup",
+    "ReferenceGroupConfig",
     "ReplayBuffer",
     "ReplayBufferConfig",
     "RolloutPool",

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from typing import Literal
 
 import ray
 import torch
 from pydantic import Field, model_validator
 
+from miles_ray.actors.ranks import RankWorker, from_masked_lists, masked_lists, start_ranks
 from miles_ray.algo.shaping import overlong_penalty
 from miles_ray.backends.base import OptimizerConfig, TorchBackendConfig
 from miles_ray.backends.objectives import (
@@ -33,6 +33,7 @@ from miles_ray.backends.objectives import (
     OverlongPenaltyConfig,
     PPOClipLossConfig,
     compute_advantages,
+    gae_targets,
 )
 from miles_ray.config import StrictConfig
 from miles_ray.hooks import HookContext, Hooks, TrainerHooksConfig
@@ -51,7 +52,8 @@ class TrainerGroupConfig(StrictConfig):
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, description="Optimizer settings.")
     loss: LossConfig = Field(default_factory=PPOClipLossConfig, description="Policy loss (ppo_clip | gspo).")
     advantage: AdvantageConfig = Field(
-        default_factory=GRPOAdvantageConfig, description="Advantage estimator (grpo | rloo | reinforce_pp)."
+        default_factory=GRPOAdvantageConfig,
+        description="Advantage estimator (grpo | rloo | reinforce_pp | gae; gae needs TrainerGroup(critic=...)).",
     )
     mismatch_correction: MismatchCorrectionConfig | None = Field(
         None, description="TIS/MIS weights from the engine's logprobs (ppo_clip loss only); None disables."
@@ -85,40 +87,19 @@ class TrainerGroupConfig(StrictConfig):
         return self
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _fetch_samples(group_refs: list) -> list[Sample]:
-    return [s for group in ray.get([g.ref for g in group_refs]) for s in group]
-
-
-class TrainerWorker:
+class TrainerWorker(RankWorker):
     """One trainer rank (apply ``ray.remote`` via ``TrainerGroup``)."""
 
-    def __init__(self, rank: int, world_size: int, config: TrainerGroupConfig):
-        self.rank, self.world_size, self.config = rank, world_size, config
+    def __init__(self, rank: int, world_size: int, config: TrainerGroupConfig, external_reference: bool = False):
+        super().__init__(rank, world_size, config)
+        self.external_reference = external_reference
         self.backend = None
         self._sync_group = None
 
-    def address(self) -> tuple[str, int]:
-        """Node IP and a free port, for rendezvous hosted by this rank."""
-        return ray.util.get_node_ip_address(), _free_port()
-
-    def init(self, master_addr: str, master_port: int) -> None:
-        """Join the data-parallel group and build the backend (model + optimizer)."""
-        import torch.distributed as dist
-
+    def setup(self) -> None:
+        """Build the backend (model, optimizer, on-rank reference unless a ReferenceGroup serves it) and hooks."""
         from miles_ray.backends.torch_backend import TorchBackend
 
-        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if torch.cuda.is_available():
-            torch.cuda.set_device(0)  # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU
-        dist.init_process_group(backend, rank=self.rank, world_size=self.world_size)
-        torch.manual_seed(self.config.seed)
         c = self.config
         self.backend = TorchBackend(
             c.backend,
@@ -128,62 +109,78 @@ class TrainerWorker:
             correction=c.mismatch_correction,
             entropy_coef=c.entropy_coef,
             kl=c.kl,
+            local_reference=not self.external_reference,
         )
         self.hooks = Hooks(c.hooks)
         self.ctx = HookContext(self.rank, self.world_size, self.backend.model, self.backend.optimizer, c)
         self.hooks.call("after_init", self.ctx)
 
-    def _batch(self, group_refs: list, pad_id: int = 0) -> tuple[RolloutBatch, list[Sample]]:
-        samples = _fetch_samples(group_refs)
-        batch = RolloutBatch.from_samples(samples, pad_id)
+    def _batch(self, group_refs: list) -> tuple[RolloutBatch, list[Sample]]:
+        batch, samples = self.batch(group_refs)
         if self.config.overlong_penalty is not None:
             c = self.config.overlong_penalty
             lengths = torch.tensor([len(s.response_ids) for s in samples])
             batch.rewards = batch.rewards + overlong_penalty(lengths, c.max_len, c.buffer_len, c.penalty_factor)
-        self._advantages(batch, samples)
+        if self.config.advantage.kind != "gae":  # GAE waits for the critic's values (train_step)
+            self._advantages(batch, samples)
         return batch, samples
 
     def _advantages(self, batch: RolloutBatch, samples: list[Sample]) -> None:
         group_ids = torch.tensor([s.group_id for s in samples])
         batch.advantages = compute_advantages(self.config.advantage, batch.rewards, group_ids, batch.response_mask)
 
-    def _all_ranks(self, local: torch.Tensor) -> torch.Tensor:
-        """Concatenate every rank's ``local`` tensor in rank order (the shards are contiguous slices)."""
-        import torch.distributed as dist
+    def train_step(
+        self, group_refs: list, values: list[list[float]] | None = None, ref_logprobs: list[list[float]] | None = None
+    ) -> tuple[dict[str, float], list[list[float]] | None]:
+        """Train one optimizer step on this rank's shard of the groups' samples.
 
-        parts = [None] * self.world_size
-        dist.all_gather_object(parts, local)
-        return torch.cat(parts)
+        Args:
+            group_refs: the whole batch's groups (every rank gets all of them).
+            values: the critic's values per sample (trained tokens), for GAE.
+            ref_logprobs: a ``ReferenceGroup``'s logprobs per sample, for the KL terms.
 
-    def train_step(self, group_refs: list) -> dict[str, float]:
-        """Train one optimizer step on this rank's shard of the groups' samples."""
+        Returns:
+            ``(metrics, returns)``: with GAE, rank 0 also returns the critic's targets per sample.
+
+        """
         batch, samples = self._batch(group_refs)
-        kl_penalty = None
-        if self.config.kl is not None and self.config.kl.mode == "reward":  # before advantages, on the full batch
-            seq_kl = self.backend.sequence_kl(batch.shard(self.rank, self.world_size), self.config.temperature)
-            kl_penalty = self.config.kl.coef * self._all_ranks(seq_kl)
-            batch.rewards = batch.rewards - kl_penalty
+        mask, c = batch.response_mask, self.config
+        ref = None if ref_logprobs is None else from_masked_lists(ref_logprobs, mask, "ref_logprobs")
+        shard_of = RolloutBatch.shard_slice(batch.num_samples, self.rank, self.world_size)
+        penalty = None  # [B, T-1] per-token KL penalty, before advantages, on the full batch
+        if c.kl is not None and c.kl.mode == "reward":
+            shard = batch.shard(self.rank, self.world_size)
+            penalty = c.kl.coef * self.all_ranks(
+                self.backend.token_kl(shard, c.temperature, None if ref is None else ref[shard_of])
+            )
+        returns = None
+        if c.advantage.kind == "gae":
+            old_values = from_masked_lists(values, mask, "values")
+            batch.advantages, returns = gae_targets(c.advantage, batch.rewards, old_values, mask, penalty)
+        elif penalty is not None:
+            batch.rewards = batch.rewards - penalty.sum(-1)
             self._advantages(batch, samples)
         shard = batch.shard(self.rank, self.world_size)
         self.hooks.call("before_train_step", self.ctx, shard)
-        old = shard.rollout_logprobs if self.config.old_logprobs == "rollout" else None
-        metrics = self.backend.train_step(shard, self.config.temperature, old_logprobs=old)
-        metrics["advantage_abs_mean"] = float(batch.advantages.abs().mean())
+        old = shard.rollout_logprobs if c.old_logprobs == "rollout" else None
+        shard_ref = None if ref is None or c.kl.mode != "loss" else ref[shard_of]
+        metrics = self.backend.train_step(shard, c.temperature, old_logprobs=old, ref_logprobs=shard_ref)
+        adv = batch.advantages.abs()  # [B], or [B, T-1] token advantages: mean over trained tokens
+        metrics["advantage_abs_mean"] = float(adv.mean() if adv.ndim == 1 else (adv * mask).sum() / mask.sum())
         metrics["shaped_reward_mean"] = float(batch.rewards.mean())
-        if kl_penalty is not None:
-            metrics["kl_reward_penalty_mean"] = float(kl_penalty.mean())
+        if penalty is not None:
+            metrics["kl_reward_penalty_mean"] = float(penalty.sum(-1).mean())
         metrics.update(self.hooks.call("after_train_step", self.ctx, metrics))
-        return metrics
+        if returns is None or self.rank != 0:
+            return metrics, None
+        return metrics, masked_lists(returns, mask)
 
     def compute_logprobs(self, group_refs: list) -> list[list[float]] | None:
         """Every sample's response-token logprobs under the current weights (rank 0 returns them)."""
-        batch, samples = self._batch(group_refs)
+        batch, _ = self._batch(group_refs)
         shard = batch.shard(self.rank, self.world_size)
         self.hooks.call("before_logprobs", self.ctx, shard)
-        full = self._all_ranks(self.backend.compute_logprobs(shard, self.config.temperature))
-        if self.rank != 0:
-            return None
-        return [full[i][batch.response_mask[i] > 0].tolist() for i in range(len(samples))]
+        return self.gather_masked(batch, self.backend.compute_logprobs(shard, self.config.temperature))
 
     # --- weight sync ----------------------------------------------------------------------------
     def sync_plan(self, dtype: str, bucket_bytes: int) -> SyncPlan:
@@ -229,16 +226,25 @@ class TrainerWorker:
 
 @ray.remote(num_cpus=0)
 class TrainerGroup:
-    """The driver-facing trainer: owns the rank actors and the weight version."""
+    """The driver-facing trainer: owns the rank actors and the weight version.
 
-    def __init__(self, config: TrainerGroupConfig, placement: Placement):
-        self.config = config
-        n = config.num_ranks
-        self._workers = placement.spawn(
-            TrainerWorker, "trainer", "TrainerGroupConfig.num_ranks", n, lambda rank: (rank, n, config)
+    PPO: pass ``critic`` (a ``CriticGroup``; needs ``advantage.kind="gae"``): every ``train_step`` asks it for
+    values first, computes GAE on the trainer ranks, then trains the critic on the returns. A ``reference``
+    (``ReferenceGroup``; needs ``kl``) serves the reference logprobs instead of a copy on the trainer ranks.
+    """
+
+    def __init__(self, config: TrainerGroupConfig, placement: Placement, critic=None, reference=None):
+        if (config.advantage.kind == "gae") != (critic is not None):
+            raise ValueError(
+                "TrainerGroupConfig.advantage.kind='gae' and a critic go together: "
+                f"advantage.kind={config.advantage.kind!r}, critic={'given' if critic is not None else 'None'}"
+            )
+        if reference is not None and config.kl is None:
+            raise ValueError("a reference actor was given but TrainerGroupConfig.kl is None (nothing would use it)")
+        self.config, self._critic, self._reference = config, critic, reference
+        self._workers = start_ranks(
+            placement, TrainerWorker, "trainer", "TrainerGroupConfig.num_ranks", config, reference is not None
         )
-        addr, port = ray.get(self._workers[0].address.remote())
-        ray.get([w.init.remote(addr, port) for w in self._workers])
         self._version = 0
 
     def workers(self) -> list:
@@ -250,8 +256,20 @@ class TrainerGroup:
         return self._version
 
     def train_step(self, group_refs: list) -> dict[str, float]:
-        """One optimizer step on all ranks over the given sample groups; returns metrics and the new version."""
-        metrics = ray.get([w.train_step.remote(group_refs) for w in self._workers])[0]
+        """One optimizer step on all ranks over the given sample groups; returns metrics and the new version.
+
+        With a critic, its metrics join as ``critic/<name>``.
+        """
+        values = self._critic.compute_values.remote(group_refs) if self._critic is not None else None
+        ref = None
+        if self._reference is not None:
+            ref = self._reference.compute_logprobs.remote(group_refs, self.config.temperature)
+        # resolved once here, passed by reference to every rank
+        values, ref = (None if f is None else ray.put(ray.get(f)) for f in (values, ref))
+        metrics, returns = ray.get([w.train_step.remote(group_refs, values, ref) for w in self._workers])[0]
+        if self._critic is not None:
+            critic_metrics = ray.get(self._critic.train_step.remote(group_refs, values, returns))
+            metrics.update({f"critic/{k}": v for k, v in critic_metrics.items()})
         self._version += 1
         metrics["weight_version"] = self._version
         return metrics

@@ -113,6 +113,35 @@ def gae_advantages(
     return advantages, (advantages + values.float()) * mask
 
 
+def terminal_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Place each sample's scalar reward on its last trained token (the per-token rewards GAE consumes).
+
+    Args:
+        rewards: ``[B]``.
+        mask: ``[B, T]`` 1 on trained tokens.
+
+    Returns:
+        ``[B, T]``, zero except at each row's last masked-in position (all zero for a row with none).
+
+    """
+    m = mask > 0
+    num_t = mask.shape[1]
+    last = num_t - 1 - torch.flip(m, dims=[1]).float().argmax(dim=1)  # last masked-in index per row
+    out = torch.zeros(mask.shape, dtype=torch.float32)
+    has = m.any(dim=1)
+    out[has.nonzero()[:, 0], last[has]] = rewards.float()[has]
+    return out
+
+
+def whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """Normalise ``values`` ``[B, T]`` to zero mean, unit std over the masked-in positions (0 elsewhere)."""
+    m = mask.float()
+    num = m.sum().clamp(min=1.0)
+    mean = (values * m).sum() / num
+    var = (((values - mean) * m) ** 2).sum() / num
+    return (values - mean) / (var.sqrt() + eps) * m
+
+
 def reinforce_pp_advantages(
     rewards: torch.Tensor, mask: torch.Tensor, group_ids: torch.Tensor | None = None, eps: float = 1e-6
 ) -> torch.Tensor:
@@ -134,9 +163,4 @@ def reinforce_pp_advantages(
     r = rewards.float()
     if group_ids is not None:
         r = grpo_advantages(r, group_ids, normalize_std=False)
-    m = mask.float()
-    token_r = r[:, None] * m
-    num = m.sum().clamp(min=1.0)
-    mean = token_r.sum() / num
-    var = (((token_r - mean) * m) ** 2).sum() / num
-    return (token_r - mean) / (var.sqrt() + eps) * m
+    return whiten(r[:, None] * mask.float(), mask, eps)

@@ -134,3 +134,52 @@ def gspo_loss(
     with torch.no_grad():
         clipfrac = float((clipped > unclipped).float().mean())
     return per_seq.mean(), {"clipfrac": clipfrac, "seq_ratio_mean": float(ratio.detach().mean())}
+
+
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    clip: float | None = 0.2,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """PPO critic loss ``0.5 * (V - R)^2``, token mean, optionally clipped around the rollout-time values.
+
+    With ``clip``, ``V`` is also clipped to ``[V_old - clip, V_old + clip]`` and the larger of the two squared
+    errors is taken per token (PPO2's value clipping), so one update cannot move a value far from the one
+    the advantages were computed with.
+
+    Args:
+        values: ``[B, T]`` current critic values.
+        old_values: ``[B, T]`` values when the returns were computed.
+        returns: ``[B, T]`` value targets (GAE advantages + old values).
+        mask: ``[B, T]`` 1 on trained tokens.
+        clip: value clip range; None disables clipping.
+
+    Returns:
+        ``(loss, {"value_clipfrac", "value_mean", "return_mean"})``.
+
+    Raises:
+        ValueError: for mismatched shapes.
+
+    """
+    if not (values.shape == old_values.shape == returns.shape == mask.shape):
+        raise ValueError(
+            f"values {tuple(values.shape)}, old_values {tuple(old_values.shape)}, returns {tuple(returns.shape)}, "
+            f"mask {tuple(mask.shape)} differ"
+        )
+    err = (values - returns) ** 2
+    clipped = torch.zeros_like(mask, dtype=torch.bool)
+    if clip is not None:
+        v_clip = old_values + (values - old_values).clamp(-clip, clip)
+        err_clip = (v_clip - returns) ** 2
+        clipped = err_clip > err
+        err = torch.maximum(err, err_clip)
+    loss = 0.5 * masked_aggregate(err, mask)
+    with torch.no_grad():
+        metrics = {
+            "value_clipfrac": float(masked_aggregate(clipped.float(), mask)),
+            "value_mean": float(masked_aggregate(values.detach(), mask)),
+            "return_mean": float(masked_aggregate(returns, mask)),
+        }
+    return loss, metrics

@@ -3,6 +3,7 @@
 from miles_ray.backends.base import OptimizerConfig, TorchBackendConfig, TrainBackend
 from miles_ray.backends.objectives import (
     AdvantageConfig,
+    GAEAdvantageConfig,
     GRPOAdvantageConfig,
     GSPOLossConfig,
     LossConfig,
@@ -10,11 +11,13 @@ from miles_ray.backends.objectives import (
     ReinforcePPAdvantageConfig,
     RLOOAdvantageConfig,
     compute_advantages,
+    gae_targets,
     resolve_loss,
 )
 
 __all__ = [
     "AdvantageConfig",
+    "GAEAdvantageConfig",
     "GRPOAdvantageConfig",
     "GSPOLossConfig",
     "LossConfig",
@@ -25,5 +28,6 @@ __all__ = [
     "TorchBackendConfig",
     "TrainBackend",
     "compute_advantages",
+    "gae_targets",
     "resolve_loss",
 ]

@@ -17,7 +17,15 @@ from typing import Annotated, Any, Literal
 import torch
 from pydantic import Field, model_validator
 
-from miles_ray.algo import gspo_loss, ppo_clip_loss, reinforce_pp_advantages, rloo_advantages
+from miles_ray.algo import (
+    gae_advantages,
+    gspo_loss,
+    ppo_clip_loss,
+    reinforce_pp_advantages,
+    rloo_advantages,
+    terminal_rewards,
+    whiten,
+)
 from miles_ray.algo.advantages import grpo_advantages
 from miles_ray.config import StrictConfig
 from miles_ray.rewards.safe import resolve_callable
@@ -125,8 +133,22 @@ class ReinforcePPAdvantageConfig(StrictConfig):
     group_baseline: bool = Field(False, description="Subtract the group mean reward before normalising.")
 
 
+class GAEAdvantageConfig(StrictConfig):
+    """PPO: generalised advantage estimation from a critic's values (needs a ``CriticGroup``).
+
+    The scalar reward sits on each sample's last trained token; with ``TrainerGroupConfig.kl`` in reward
+    mode, the per-token k1 KL penalty is added on every token (InstructGPT-style).
+    """
+
+    kind: Literal["gae"] = "gae"
+    gamma: float = Field(1.0, ge=0.0, le=1.0, description="Discount per token.")
+    lam: float = Field(0.95, ge=0.0, le=1.0, description="GAE lambda (1: Monte-Carlo returns, 0: one-step TD).")
+    whiten: bool = Field(True, description="Normalise advantages over the batch's tokens (returns are not).")
+
+
 AdvantageConfig = Annotated[
-    GRPOAdvantageConfig | RLOOAdvantageConfig | ReinforcePPAdvantageConfig, Field(discriminator="kind")
+    GRPOAdvantageConfig | RLOOAdvantageConfig | ReinforcePPAdvantageConfig | GAEAdvantageConfig,
+    Field(discriminator="kind"),
 ]
 
 
@@ -159,7 +181,7 @@ class OverlongPenaltyConfig(StrictConfig):
 
 
 def compute_advantages(
-    config: GRPOAdvantageConfig | RLOOAdvantageConfig | ReinforcePPAdvantageConfig,
+    config: GRPOAdvantageConfig | RLOOAdvantageConfig | ReinforcePPAdvantageConfig | GAEAdvantageConfig,
     rewards: torch.Tensor,
     group_ids: torch.Tensor,
     response_mask: torch.Tensor,
@@ -173,8 +195,37 @@ def compute_advantages(
         response_mask: ``[B, T]``.
 
     """
+    if config.kind == "gae":
+        raise ValueError("advantage.kind='gae' needs critic values: use gae_targets (TrainerGroup(critic=...))")
     if config.kind == "grpo":
         return grpo_advantages(rewards, group_ids, normalize_std=config.normalize_std)
     if config.kind == "rloo":
         return rloo_advantages(rewards, group_ids)
     return reinforce_pp_advantages(rewards, response_mask, group_ids if config.group_baseline else None)
+
+
+def gae_targets(
+    config: GAEAdvantageConfig,
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    response_mask: torch.Tensor,
+    token_penalty: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO advantages and critic targets for a batch.
+
+    Args:
+        config: GAE settings.
+        rewards: ``[B]`` scalar rewards, put on each sample's last trained token.
+        values: ``[B, T]`` critic values on the ``response_mask`` alignment.
+        response_mask: ``[B, T]``.
+        token_penalty: optional ``[B, T]`` subtracted from the per-token rewards (KL in reward mode).
+
+    Returns:
+        ``(advantages, returns)``, ``[B, T]``; advantages whitened if ``config.whiten``, returns never.
+
+    """
+    token_rewards = terminal_rewards(rewards, response_mask)
+    if token_penalty is not None:
+        token_rewards = token_rewards - token_penalty * response_mask
+    adv, returns = gae_advantages(token_rewards, values, response_mask, config.gamma, config.lam)
+    return (whiten(adv, response_mask) if config.whiten else adv), returns

@@ -25,6 +25,7 @@ from miles_ray.backends.objectives import (
     PPOClipLossConfig,
     resolve_loss,
 )
+from miles_ray.backends.torch_rank import TorchRank, param_dtype
 from miles_ray.sync.plan import Bucket, SyncPlan, plan_buckets
 from miles_ray.types import RolloutBatch
 
@@ -48,64 +49,23 @@ def token_logprobs(
     return logp.gather(-1, targets[..., None])[..., 0], entropy
 
 
-class TorchBackend:
-    """One data-parallel rank of an HF model trained with FSDP2 or DDP."""
+def load_causal_lm(model_path: str, config: TorchBackendConfig) -> torch.nn.Module:
+    """The HF causal LM at ``model_path`` in the config's dtype, without a generation KV cache."""
+    from transformers import AutoModelForCausalLM
 
-    def __init__(
-        self,
-        config: TorchBackendConfig,
-        optim: OptimizerConfig,
-        loss: PPOClipLossConfig | GSPOLossConfig | CustomLossConfig,
-        model_path: str,
-        correction: MismatchCorrectionConfig | None = None,
-        entropy_coef: float = 0.0,
-        kl: KLConfig | None = None,
-    ):
-        from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=param_dtype(config), attn_implementation="sdpa")
+    model.config.use_cache = False
+    return model
 
-        self.config, self.optim_config, self.loss_config = config, optim, loss
-        self.loss_fn, self.loss_kwargs = resolve_loss(loss)
-        if correction is not None and loss.kind != "ppo_clip":
-            raise ValueError(f"mismatch_correction weights tokens; loss kind {loss.kind!r} has a sequence ratio")
-        self.correction, self.entropy_coef = correction, entropy_coef
-        torch.set_num_threads(config.num_threads)
-        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self.device = (
-            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-        )
-        dtype = torch.float32 if config.dtype == "float32" else torch.bfloat16
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation="sdpa")
-        if config.gradient_checkpointing:
-            model.gradient_checkpointing_enable()
-        model.config.use_cache = False
-        self.hf_model = model.to(self.device)
-        self.model = self._wrap(self.hf_model)
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay
-        )
-        self.kl, self.ref_model = kl, None
-        if kl is not None:  # the frozen reference: the initial weights, placed and sharded like the policy
-            ref = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation="sdpa")
-            ref.config.use_cache = False
-            ref = ref.requires_grad_(False).eval().to(self.device)
-            self.ref_model = ref if config.parallel == "ddp" else self._wrap(ref)  # DDP refuses frozen models
 
-    def _wrap(self, model: torch.nn.Module) -> torch.nn.Module:
-        if self.config.parallel == "ddp":
-            from torch.nn.parallel import DistributedDataParallel
+class PolicyRank(TorchRank):
+    """One rank of an HF causal LM that computes token logprobs; frozen (the reference) when ``optim`` is None."""
 
-            return DistributedDataParallel(model) if self.world_size > 1 else model
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
+    def __init__(self, config: TorchBackendConfig, optim: OptimizerConfig | None, model_path: str):
+        super().__init__(config, optim, load_causal_lm(model_path, config))
 
-        mesh = init_device_mesh(self.device.type, (self.world_size,))
-        for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        return model
-
-    def _forward_logprobs(self, input_ids, attention_mask, response_mask, temperature, model=None):
-        """``[B, T-1]`` next-token logprobs, computed only from the first response position on.
+    def forward_logprobs(self, input_ids, attention_mask, response_mask, temperature):
+        """``[B, T-1]`` next-token logprobs and entropies, computed only from the first response position on.
 
         The LM head and log-softmax over the vocabulary dominate a small model's cost; prompt positions
         carry no loss, so their logits are never formed (``logits_to_keep``). Earlier positions are 0.
@@ -116,46 +76,74 @@ class TorchBackend:
         start = int(nonzero[0]) if nonzero.numel() else width - 1
         keep = torch.arange(start, width, device=self.device)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.config.autocast == "bfloat16"):
-            out = (model or self.model)(
-                input_ids=input_ids, attention_mask=attention_mask.to(self.device), logits_to_keep=keep
-            )
+            out = self.model(input_ids=input_ids, attention_mask=attention_mask.to(self.device), logits_to_keep=keep)
         lp, entropy = token_logprobs(out.logits, input_ids[:, start + 1 :], temperature)
         pad = lp.new_zeros(lp.shape[0], start)
         return torch.cat([pad, lp], dim=1), torch.cat([pad, entropy], dim=1)
 
     @torch.no_grad()
-    def compute_logprobs(self, batch: RolloutBatch, temperature: float, reference: bool = False) -> torch.Tensor:
-        """``[B, T-1]`` logprobs of this rank's batch (the reference model's with ``reference``), fp32 on CPU."""
-        if reference and self.ref_model is None:
-            raise RuntimeError("no reference model: set TrainerGroupConfig.kl")
-        model = self.ref_model if reference else self.model
-        model.eval()
+    def compute_logprobs(self, batch: RolloutBatch, temperature: float) -> torch.Tensor:
+        """``[B, T-1]`` logprobs of this rank's batch under the current weights, fp32 on CPU."""
+        self.model.eval()
         mbs = self.config.micro_batch_size
         parts = [
-            self._forward_logprobs(
-                batch.input_ids[i : i + mbs],
-                batch.attention_mask[i : i + mbs],
-                batch.response_mask[i : i + mbs],
+            self.forward_logprobs(
+                batch.input_ids[i : i + mbs], batch.attention_mask[i : i + mbs], batch.response_mask[i : i + mbs],
                 temperature,
-                model,
             )[0].cpu()
             for i in range(0, batch.num_samples, mbs)
-        ]
+        ]  # fmt: skip
         return torch.cat(parts)
 
-    def sequence_kl(self, batch: RolloutBatch, temperature: float) -> torch.Tensor:
-        """``[B]`` k1 sequence KL ``sum_t (log pi - log ref)`` over each sample's trained tokens (no grad)."""
-        policy = self.compute_logprobs(batch, temperature)
-        ref = self.compute_logprobs(batch, temperature, reference=True)
-        return ((policy - ref) * batch.response_mask).sum(-1)
 
-    def _global_sum(self, value: float) -> float:
-        t = torch.tensor([value], dtype=torch.float64, device=self.device if self.device.type == "cuda" else "cpu")
-        dist.all_reduce(t)
-        return float(t)
+class TorchBackend(PolicyRank):
+    """One data-parallel rank of the policy trained with FSDP2 or DDP.
+
+    With ``kl`` set and ``local_reference``, the frozen reference (the initial weights) is loaded on this
+    rank, placed and sharded like the policy; otherwise reference logprobs come in with each call (from a
+    ``ReferenceGroup`` actor).
+    """
+
+    def __init__(
+        self,
+        config: TorchBackendConfig,
+        optim: OptimizerConfig,
+        loss: PPOClipLossConfig | GSPOLossConfig | CustomLossConfig,
+        model_path: str,
+        correction: MismatchCorrectionConfig | None = None,
+        entropy_coef: float = 0.0,
+        kl: KLConfig | None = None,
+        local_reference: bool = True,
+    ):
+        super().__init__(config, optim, model_path)
+        self.loss_config = loss
+        self.loss_fn, self.loss_kwargs = resolve_loss(loss)
+        if correction is not None and loss.kind != "ppo_clip":
+            raise ValueError(f"mismatch_correction weights tokens; loss kind {loss.kind!r} has a sequence ratio")
+        self.correction, self.entropy_coef, self.kl = correction, entropy_coef, kl
+        self.reference = PolicyRank(config, None, model_path) if kl is not None and local_reference else None
+
+    def reference_logprobs(self, batch: RolloutBatch, temperature: float) -> torch.Tensor:
+        """``[B, T-1]`` logprobs under the on-rank reference model."""
+        if self.reference is None:
+            raise RuntimeError("no reference model on this rank: set TrainerGroupConfig.kl (without a ReferenceGroup)")
+        return self.reference.compute_logprobs(batch, temperature)
+
+    def token_kl(self, batch: RolloutBatch, temperature: float, ref_logprobs: torch.Tensor | None = None):
+        """``[B, T-1]`` k1 KL ``log pi - log ref`` on each trained token (0 elsewhere), no grad.
+
+        ``ref_logprobs`` (``[B, T-1]``, from a reference actor) replaces the on-rank reference.
+        """
+        policy = self.compute_logprobs(batch, temperature)
+        ref = self.reference_logprobs(batch, temperature) if ref_logprobs is None else ref_logprobs
+        return (policy - ref) * batch.response_mask
 
     def train_step(
-        self, batch: RolloutBatch, temperature: float, old_logprobs: torch.Tensor | None = None
+        self,
+        batch: RolloutBatch,
+        temperature: float,
+        old_logprobs: torch.Tensor | None = None,
+        ref_logprobs: torch.Tensor | None = None,
     ) -> dict[str, float]:
         """One optimizer step on this rank's shard of the batch.
 
@@ -164,6 +152,8 @@ class TorchBackend:
             temperature: the rollout temperature (logits are divided by it, as the engine did).
             old_logprobs: ``[B, T-1]`` behaviour-policy logprobs; None uses the current policy's
                 (detached), exact for one optimizer step per rollout batch.
+            ref_logprobs: ``[B, T-1]`` reference logprobs for KL in loss mode (from a ``ReferenceGroup``);
+                None uses the on-rank reference.
 
         Returns:
             Metrics averaged over ranks (token-weighted where per token).
@@ -173,7 +163,7 @@ class TorchBackend:
         mask_all = batch.response_mask
         per_token = self.loss_config.normalizer == "tokens"
         local_units = float(mask_all.sum()) if per_token else float(batch.num_samples)
-        global_units = self._global_sum(local_units)
+        global_units = self.global_sum(local_units)
         mbs = self.config.micro_batch_size
         sums = {
             "loss": 0.0,
@@ -188,10 +178,10 @@ class TorchBackend:
         starts = list(range(0, batch.num_samples, mbs))
         for i in starts:
             sl = slice(i, i + mbs)
-            self._grad_sync(i == starts[-1])  # reduce gradients once, after the last micro-batch
+            self.grad_sync(i == starts[-1])  # reduce gradients once, after the last micro-batch
             mask = mask_all[sl].to(self.device)
             tokens = float(mask.sum())
-            logprobs, entropy = self._forward_logprobs(
+            logprobs, entropy = self.forward_logprobs(
                 batch.input_ids[sl], batch.attention_mask[sl], mask_all[sl], temperature
             )
             old = logprobs.detach() if old_logprobs is None else old_logprobs[sl].to(self.device)
@@ -204,10 +194,13 @@ class TorchBackend:
                 sums["clipped_tokens"] += wm["weight_clipped_frac"] * tokens
             loss, m = self.loss_fn(logprobs, old, adv, mask, **self.loss_kwargs, **extra)
             if self.kl is not None and self.kl.mode == "loss":
-                with torch.no_grad():
-                    ref_lp, _ = self._forward_logprobs(
-                        batch.input_ids[sl], batch.attention_mask[sl], mask_all[sl], temperature, self.ref_model
-                    )
+                if ref_logprobs is not None:
+                    ref_lp = ref_logprobs[sl].to(self.device)
+                else:
+                    with torch.no_grad():
+                        ref_lp, _ = self.reference.forward_logprobs(
+                            batch.input_ids[sl], batch.attention_mask[sl], mask_all[sl], temperature
+                        )
                 kl_tokens = kl_estimate(logprobs, ref_lp, self.kl.estimator)
                 mode = "token_mean" if per_token else "seq_mean_token_mean"  # same units as the policy loss
                 loss = loss + self.kl.coef * masked_aggregate(kl_tokens, mask, mode)
@@ -216,8 +209,7 @@ class TorchBackend:
                 mode = "token_mean" if per_token else "seq_mean_token_mean"  # same units as the policy loss
                 loss = loss - self.entropy_coef * masked_aggregate(entropy, mask, mode)
             units = tokens if per_token else float(mask.shape[0])
-            # weight by this micro-batch's share of the global batch; FSDP/DDP average over ranks, so undo it
-            (loss * units / global_units * self.world_size).backward()
+            self.backward_share(loss, units, global_units)
             sums["loss"] += float(loss.detach()) * units
             for k, v in m.items():  # the loss's own metrics, token-weighted
                 sums[f"m/{k}"] = sums.get(f"m/{k}", 0.0) + v * tokens
@@ -229,7 +221,7 @@ class TorchBackend:
                 sums["entropy_sum"] += float((entropy * mask).sum())
                 lp_diff_max = max(lp_diff_max, float(diff.max()) if diff.numel() else 0.0)
             sums["tokens"] += tokens
-        grad_norm = self._clip_and_step()
+        grad_norm = self.clip_and_step()
         reduced = torch.tensor([sums[k] for k in sums] + [local_units], dtype=torch.float64)
         dist.all_reduce(reduced)
         r = dict(zip(list(sums) + ["units"], reduced.tolist()))
@@ -249,24 +241,6 @@ class TorchBackend:
             "ref_kl": r["ref_kl_sum"] / tokens,
             "num_tokens": r["tokens"],
         }
-
-    def _grad_sync(self, enabled: bool) -> None:
-        if hasattr(self.model, "set_requires_gradient_sync"):  # FSDP2
-            self.model.set_requires_gradient_sync(enabled)
-        elif hasattr(self.model, "require_backward_grad_sync"):  # DDP
-            self.model.require_backward_grad_sync = enabled
-
-    def _clip_and_step(self) -> float:
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        clip = self.optim_config.grad_clip
-        norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
-        if hasattr(norm, "full_tensor"):
-            norm = norm.full_tensor()
-        norm = float(norm)
-        if torch.isfinite(torch.tensor(norm)):
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return norm
 
     # --- weight sync ----------------------------------------------------------------------------
     def _named_params(self) -> list[tuple[str, torch.Tensor]]:
@@ -288,24 +262,5 @@ class TorchBackend:
                 flat[m.offset : m.offset + m.numel].copy_(full.detach().reshape(-1).to("cpu", dtype))
         return flat
 
-    # --- checkpoints ----------------------------------------------------------------------------
-    def save(self, path: str) -> None:
-        """Save model + optimizer with torch distributed checkpoint (sharded, reshardable)."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
-
-    def load(self, path: str) -> None:
-        """Load a checkpoint written by ``save`` (any rank count)."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        state = {"model": model_sd, "optim": optim_sd}
-        dcp.load(state, checkpoint_id=path)
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-
-
-__all__ = ["TorchBackend", "token_logprobs"]
+__all__ = ["PolicyRank", "TorchBackend", "load_causal_lm", "token_logprobs"]

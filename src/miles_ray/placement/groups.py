@@ -35,7 +35,7 @@ class Placement:
         return {"num_cpus": slot.num_cpus, "num_gpus": slot.num_gpus, "scheduling_strategy": self.strategy(slot)}
 
     def spawn(self, cls: type, role: str, count_field: str, count: int, make_args, **options) -> list:
-        """Start one ``cls`` actor per ``role`` slot (``"trainer"`` or ``"engine"``) of the plan.
+        """Start one ``cls`` actor per ``role`` slot (``"trainer"``, ``"engine"``, ``"critic"``, ``"reference"``).
 
         Args:
             cls: the (undecorated) actor class.
@@ -46,12 +46,13 @@ class Placement:
             options: extra ``.options(...)`` for every actor (e.g. ``max_concurrency``).
 
         Raises:
-            ValueError: if ``count`` differs from the number of slots.
+            ValueError: if ``count`` differs from the number of slots (a plan without the role has none).
 
         """
-        slots = self.plan.trainer_slots if role == "trainer" else self.plan.engine_slots
+        slots = self.plan.slots(role)
         if count != len(slots):
-            raise ValueError(f"{count_field}={count} but the placement plan has {len(slots)} {role} slots")
+            hint = f" (plan it with placement.colocated(..., {role}=True) or disaggregated(...))" if not slots else ""
+            raise ValueError(f"{count_field}={count} but the placement plan has {len(slots)} {role} slots{hint}")
         remote_cls = ray.remote(cls)
         return [
             remote_cls.options(**self.options(slot), **options).remote(*make_args(i)) for i, slot in enumerate(slots)

@@ -1,7 +1,9 @@
 """Placement planning: pure functions that decide where trainer ranks and engines go.
 
 ``colocated(n)`` puts trainer rank i and engine i into bundle i (they time-share the device: train, then
-roll out); ``disaggregated(t, e)`` gives trainers and engines bundles of their own. A plan is a frozen
+roll out); ``disaggregated(t, e)`` gives trainers and engines bundles of their own. PPO's critic and a
+separate reference model are roles too: ``colocated(n, critic=True, reference=True)`` adds them to the
+same bundles, ``disaggregated(..., num_critic_ranks=c, num_reference_ranks=k)`` gives them their own. A plan is a frozen
 ``PlacementPlan``; ``miles_ray.placement.groups.create`` turns it into a Ray placement group and orders
 its bundles by node, then device, so rank i lands on a predictable device.
 
@@ -35,6 +37,25 @@ class PlacementPlan:
     trainer_slots: tuple[Slot, ...]
     engine_slots: tuple[Slot, ...]
     strategy: str = "PACK"
+    critic_slots: tuple[Slot, ...] = ()
+    reference_slots: tuple[Slot, ...] = ()
+
+    def slots(self, role: Role) -> tuple[Slot, ...]:
+        """The slots of one role.
+
+        Raises:
+            ValueError: for an unknown role.
+
+        """
+        if role not in ROLES:
+            raise ValueError(f"unknown placement role {role!r}; roles are {ROLES}")
+        return getattr(self, f"{role}_slots")
+
+
+Role = Literal["trainer", "engine", "critic", "reference"]
+ROLES: tuple[str, ...] = ("trainer", "engine", "critic", "reference")
+# Colocated GPU shares per role (they sum to <= 1: every role fits one device; Miles uses trainer 0.4, engine 0.2)
+_GPU_SHARE = {"trainer": 0.4, "engine": 0.2, "critic": 0.25, "reference": 0.15}
 
 
 def _bundle(cpus: float, gpus: float) -> dict[str, float]:
@@ -47,9 +68,17 @@ def _check(name: str, value: float, minimum: float) -> None:
 
 
 def colocated(
-    num_ranks: int, cpus_per_bundle: float = 1.0, gpus_per_bundle: float = 0.0, strategy: str = "PACK"
+    num_ranks: int,
+    cpus_per_bundle: float = 1.0,
+    gpus_per_bundle: float = 0.0,
+    strategy: str = "PACK",
+    critic: bool = False,
+    reference: bool = False,
 ) -> PlacementPlan:
-    """Trainer rank i and engine i share bundle i (as Miles colocates: trainer 0.4 GPU, engine 0.2 GPU).
+    """Trainer rank i and engine i (and critic rank i, reference rank i) share bundle i.
+
+    The bundle's CPUs are split evenly over the roles present; GPU shares are trainer 0.4, engine 0.2
+    (as Miles colocates), critic 0.25, reference 0.15.
 
     Raises:
         ValueError: for a non-positive rank count or resources.
@@ -58,10 +87,16 @@ def colocated(
     _check("num_ranks", num_ranks, 1)
     _check("cpus_per_bundle", cpus_per_bundle, 0.01)
     _check("gpus_per_bundle", gpus_per_bundle, 0.0)
+    roles = ["trainer", "engine"] + ["critic"] * critic + ["reference"] * reference
     bundles = tuple(_bundle(cpus_per_bundle, gpus_per_bundle) for _ in range(num_ranks))
-    trainer = tuple(Slot(i, cpus_per_bundle / 2, gpus_per_bundle * 0.4) for i in range(num_ranks))
-    engine = tuple(Slot(i, cpus_per_bundle / 2, gpus_per_bundle * 0.2) for i in range(num_ranks))
-    return PlacementPlan("colocated", bundles, trainer, engine, strategy)
+    slots = {
+        role: tuple(Slot(i, cpus_per_bundle / len(roles), gpus_per_bundle * _GPU_SHARE[role]) for i in range(num_ranks))
+        for role in roles
+    }
+    return PlacementPlan(
+        "colocated", bundles, slots["trainer"], slots["engine"], strategy,
+        critic_slots=slots.get("critic", ()), reference_slots=slots.get("reference", ()),
+    )  # fmt: skip
 
 
 def disaggregated(
@@ -71,8 +106,12 @@ def disaggregated(
     gpus_per_trainer: float = 0.0,
     gpus_per_engine: float = 0.0,
     strategy: str = "PACK",
+    num_critic_ranks: int = 0,
+    num_reference_ranks: int = 0,
 ) -> PlacementPlan:
     """Trainer ranks in bundles ``0..t-1``, engines in bundles ``t..t+e-1``, each owning its bundle.
+
+    Critic ranks, then reference ranks, follow in bundles of their own with the trainer's resources.
 
     Raises:
         ValueError: for non-positive counts or negative resources.
@@ -83,9 +122,16 @@ def disaggregated(
     _check("cpus_per_bundle", cpus_per_bundle, 0.01)
     _check("gpus_per_trainer", gpus_per_trainer, 0.0)
     _check("gpus_per_engine", gpus_per_engine, 0.0)
-    bundles = tuple(_bundle(cpus_per_bundle, gpus_per_trainer) for _ in range(num_trainer_ranks)) + tuple(
-        _bundle(cpus_per_bundle, gpus_per_engine) for _ in range(num_engines)
-    )
-    trainer = tuple(Slot(i, cpus_per_bundle, gpus_per_trainer) for i in range(num_trainer_ranks))
-    engine = tuple(Slot(num_trainer_ranks + i, cpus_per_bundle, gpus_per_engine) for i in range(num_engines))
-    return PlacementPlan("disaggregated", bundles, trainer, engine, strategy)
+    _check("num_critic_ranks", num_critic_ranks, 0)
+    _check("num_reference_ranks", num_reference_ranks, 0)
+    counts = {"trainer": num_trainer_ranks, "engine": num_engines}
+    counts.update(critic=num_critic_ranks, reference=num_reference_ranks)
+    bundles, slots = [], {}
+    for role, count in counts.items():
+        gpus = gpus_per_engine if role == "engine" else gpus_per_trainer
+        slots[role] = tuple(Slot(len(bundles) + i, cpus_per_bundle, gpus) for i in range(count))
+        bundles += [_bundle(cpus_per_bundle, gpus)] * count
+    return PlacementPlan(
+        "disaggregated", tuple(bundles), slots["trainer"], slots["engine"], strategy,
+        critic_slots=slots["critic"], reference_slots=slots["reference"],
+    )  # fmt: skip

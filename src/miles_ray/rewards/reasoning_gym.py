@@ -99,3 +99,15 @@ class ReasoningGymTask:
     def reward(self, response_text: str, entry: dict) -> float:
         """Score in [0, 1] from the dataset's own ``score_answer``."""
         return float(self.dataset.score_answer(extract_answer(response_text), entry))
+
+
+def one_digit_arithmetic(seed: int = 1) -> ReasoningGymTaskConfig:
+    """The quick-start task: one-digit sums and differences, non-negative, no parentheses, answer only."""
+    digits = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1, "operators": ["+", "-"]}
+    return ReasoningGymTaskConfig(
+        dataset="basic_arithmetic",
+        seed=seed,
+        dataset_kwargs={**digits, "allow_negation": False, "allow_parentheses": False},
+        system_prompt="You are a calculator. Reply with only the result.",
+        instruction="Reply with just the number.",
+    )

@@ -163,7 +163,34 @@ def test_kl_to_reference_as_loss(tiny_model_path, parallel):
     assert m[0]["ref_kl"] == pytest.approx(0.0, abs=1e-7) and m[1]["ref_kl"] > 0
     torch.testing.assert_close(with_kl[0], plain[0])
     assert not torch.allclose(with_kl[1], plain[1])
-    seq = backend.sequence_kl(_batch(GRPOAdvantageConfig()), temperature=1.0)  # policy moved, reference did not
-    assert seq.shape == (8,) and seq.abs().sum() > 0
-    ref = backend.compute_logprobs(_batch(GRPOAdvantageConfig()), 1.0, reference=True)
-    assert not torch.allclose(ref, backend.compute_logprobs(_batch(GRPOAdvantageConfig()), 1.0))
+    batch = _batch(GRPOAdvantageConfig())
+    tok = backend.token_kl(batch, temperature=1.0)  # policy moved, reference did not
+    assert tok.shape == batch.response_mask.shape and tok.abs().sum() > 0
+    assert (tok[batch.response_mask == 0] == 0).all()
+    ref = backend.reference_logprobs(batch, 1.0)
+    assert not torch.allclose(ref, backend.compute_logprobs(batch, 1.0))
+
+
+def test_reference_logprobs_passed_in_equal_the_on_rank_reference(tiny_model_path):
+    """A ReferenceGroup's logprobs (here a frozen PolicyRank) give the same KL updates as the on-rank copy."""
+    from miles_ray.backends.objectives import KLConfig
+    from miles_ray.backends.torch_backend import PolicyRank
+
+    cfg, kl = TorchBackendConfig(micro_batch_size=4), KLConfig(coef=1.0, estimator="k3")
+    frozen = PolicyRank(cfg, None, tiny_model_path)
+    assert all(not p.requires_grad for p in frozen.hf_model.parameters()) and frozen.optimizer is None
+    runs = []
+    for local in (True, False):
+        torch.manual_seed(0)
+        backend = TorchBackend(cfg, OptimizerConfig(lr=1e-2), PPOClipLossConfig(), tiny_model_path, kl=kl,
+                               local_reference=local)  # fmt: skip
+        assert (backend.reference is not None) == local
+        out = []
+        for _ in range(2):
+            batch = _batch(GRPOAdvantageConfig())
+            ref = None if local else frozen.compute_logprobs(batch, 1.0)
+            out.append(backend.train_step(batch, temperature=1.0, ref_logprobs=ref)["ref_kl"])
+        out.append(_params(backend))
+        runs.append(out)
+    assert runs[0][1] > 0 and runs[0][1] == pytest.approx(runs[1][1], rel=1e-6)
+    torch.testing.assert_close(runs[0][2], runs[1][2])

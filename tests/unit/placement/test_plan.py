@@ -36,3 +36,22 @@ def test_cpu_only_bundles_have_no_gpu_key():
 def test_bad_counts_name_the_argument(fn, args, name):
     with pytest.raises(ValueError, match=name):
         fn(*args)
+
+
+def test_colocated_critic_and_reference_share_each_bundle():
+    plan = colocated(2, cpus_per_bundle=1, gpus_per_bundle=1, critic=True, reference=True)
+    assert len(plan.bundles) == 2
+    for i in range(2):
+        slots = [plan.slots(role)[i] for role in ("trainer", "engine", "critic", "reference")]
+        assert {s.bundle for s in slots} == {i}
+        assert sum(s.num_cpus for s in slots) == pytest.approx(1.0)
+        assert sum(s.num_gpus for s in slots) <= 1.0
+    assert colocated(1).critic_slots == () and colocated(1).slots("reference") == ()
+
+
+def test_disaggregated_critic_and_reference_get_their_own_bundles():
+    plan = disaggregated(2, 1, gpus_per_trainer=1, num_critic_ranks=2, num_reference_ranks=1)
+    assert [s.bundle for s in plan.critic_slots] == [3, 4] and [s.bundle for s in plan.reference_slots] == [5]
+    assert len(plan.bundles) == 6 and all(s.num_gpus == 1 for s in plan.critic_slots + plan.reference_slots)
+    with pytest.raises(ValueError, match="unknown placement role 'critc'"):
+        plan.slots("critc")

@@ -1,0 +1,109 @@
+"""Rank-group plumbing shared by the trainer, the critic and the reference: spawn, rendezvous, gather.
+
+A group actor (``TrainerGroup``, ``CriticGroup``, ``ReferenceGroup``) starts one ``RankWorker`` subclass per
+slot of its placement role with ``start_ranks``; the workers form one ``torch.distributed`` group (gloo on
+CPU, NCCL on GPU) hosted by rank 0, and each builds its model in ``setup``. Every worker gets the whole
+list of sample groups and works on its contiguous shard; per-token results travel back as one list of
+floats per sample, holding the values on that sample's trained tokens.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import ray
+import torch
+
+from miles_ray.types import RolloutBatch, Sample
+
+
+def fetch_samples(group_refs: list) -> list[Sample]:
+    """The samples of ``group_refs`` (``GroupRef`` list), in order."""
+    return [s for group in ray.get([g.ref for g in group_refs]) for s in group]
+
+
+def masked_lists(full: torch.Tensor, mask: torch.Tensor) -> list[list[float]]:
+    """Per sample, the entries of ``full`` ``[B, T]`` where ``mask`` ``[B, T]`` is set."""
+    return [full[i][mask[i] > 0].tolist() for i in range(full.shape[0])]
+
+
+def from_masked_lists(lists: list[list[float]], mask: torch.Tensor, field: str) -> torch.Tensor:
+    """Inverse of ``masked_lists``: a ``[B, T]`` tensor, 0 off the mask.
+
+    Raises:
+        ValueError: if the lists do not match the mask (``field`` names the argument).
+
+    """
+    if len(lists) != mask.shape[0]:
+        raise ValueError(f"{field}: {len(lists)} samples given, the batch has {mask.shape[0]}")
+    out = torch.zeros(mask.shape, dtype=torch.float32)
+    for i, values in enumerate(lists):
+        where = mask[i] > 0
+        if len(values) != int(where.sum()):
+            raise ValueError(f"{field}[{i}]: {len(values)} values for {int(where.sum())} trained tokens")
+        out[i][where] = torch.tensor(values, dtype=torch.float32)
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RankWorker:
+    """One rank of a group; subclasses build their model in ``setup`` (apply ``ray.remote`` via ``start_ranks``)."""
+
+    def __init__(self, rank: int, world_size: int, config):
+        self.rank, self.world_size, self.config = rank, world_size, config
+
+    def address(self) -> tuple[str, int]:
+        """Node IP and a free port, for rendezvous hosted by this rank."""
+        return ray.util.get_node_ip_address(), _free_port()
+
+    def init(self, master_addr: str, master_port: int) -> None:
+        """Join the group's process group, seed torch, build the model."""
+        import torch.distributed as dist
+
+        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if torch.cuda.is_available():
+            torch.cuda.set_device(0)  # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU
+        dist.init_process_group(backend, rank=self.rank, world_size=self.world_size)
+        torch.manual_seed(self.config.seed)
+        self.setup()
+
+    def setup(self) -> None:
+        """Build the backend (called once the process group exists)."""
+        raise NotImplementedError
+
+    def all_ranks(self, local: torch.Tensor) -> torch.Tensor:
+        """Concatenate every rank's ``local`` tensor in rank order (the shards are contiguous slices)."""
+        import torch.distributed as dist
+
+        parts = [None] * self.world_size
+        dist.all_gather_object(parts, local)
+        return torch.cat(parts)
+
+    def batch(self, group_refs: list) -> tuple[RolloutBatch, list[Sample]]:
+        """The whole padded batch of ``group_refs`` and its samples (every rank builds the same one)."""
+        samples = fetch_samples(group_refs)
+        return RolloutBatch.from_samples(samples, 0), samples
+
+    def gather_masked(self, batch: RolloutBatch, local: torch.Tensor) -> list[list[float]] | None:
+        """Collective: rank 0 returns every sample's trained-token entries of the ranks' ``local`` shards."""
+        full = self.all_ranks(local)
+        return masked_lists(full, batch.response_mask) if self.rank == 0 else None
+
+
+def start_ranks(placement, cls: type, role: str, count_field: str, config, *args) -> list:
+    """Start ``config.num_ranks`` ``cls(rank, num_ranks, config, *args)`` workers on the ``role`` slots.
+
+    Returns once their process group is up and every rank has run ``setup``.
+    """
+    n = config.num_ranks
+    workers = placement.spawn(cls, role, count_field, n, lambda rank: (rank, n, config, *args))
+    addr, port = ray.get(workers[0].address.remote())
+    ray.get([w.init.remote(addr, port) for w in workers])
+    return workers

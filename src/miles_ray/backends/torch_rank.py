@@ -1,0 +1,113 @@
+"""What every torch-trained model rank shares: device, FSDP2/DDP wrapping, AdamW, global sums, DCP checkpoints.
+
+``TorchRank`` holds one data-parallel rank of a module: the policy (``TorchBackend``) and the critic
+(``TorchCriticBackend``) build their module and hand it here; a frozen module (the reference policy) gets
+no optimizer. The module must expose its decoder layers as ``module.model.layers`` (HF causal LMs and
+``ValueModel`` do): FSDP2 shards each layer, then the whole module.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from miles_ray.backends.base import OptimizerConfig, TorchBackendConfig
+
+
+def rank_device() -> torch.device:
+    """The device of the calling rank: the CUDA device Ray gave the actor, else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def param_dtype(config: TorchBackendConfig) -> torch.dtype:
+    """The parameter dtype a backend config asks for."""
+    return torch.float32 if config.dtype == "float32" else torch.bfloat16
+
+
+class TorchRank:
+    """One data-parallel rank of ``module``, trained with AdamW (or frozen when ``optim`` is None)."""
+
+    def __init__(self, config: TorchBackendConfig, optim: OptimizerConfig | None, module: torch.nn.Module):
+        self.config, self.optim_config = config, optim
+        torch.set_num_threads(config.num_threads)
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.device = rank_device()
+        if config.gradient_checkpointing and optim is not None:
+            module.gradient_checkpointing_enable()
+        self.hf_model = module.to(self.device)
+        self.optimizer = None
+        if optim is None:  # frozen: no gradients; DDP refuses a module without trainable parameters
+            self.hf_model.requires_grad_(False).eval()
+            self.model = self.hf_model if config.parallel == "ddp" else self.wrap(self.hf_model)
+            return
+        self.model = self.wrap(self.hf_model)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay
+        )
+
+    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Wrap ``model`` for data parallelism as the config says (FSDP2 shards it over the ranks)."""
+        if self.config.parallel == "ddp":
+            from torch.nn.parallel import DistributedDataParallel
+
+            return DistributedDataParallel(model) if self.world_size > 1 else model
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh(self.device.type, (self.world_size,))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model
+
+    def global_sum(self, value: float) -> float:
+        """``value`` summed over all ranks."""
+        t = torch.tensor([value], dtype=torch.float64, device=self.device if self.device.type == "cuda" else "cpu")
+        dist.all_reduce(t)
+        return float(t)
+
+    def grad_sync(self, enabled: bool) -> None:
+        """Turn gradient reduction on (last micro-batch) or off (the ones before it)."""
+        if hasattr(self.model, "set_requires_gradient_sync"):  # FSDP2
+            self.model.set_requires_gradient_sync(enabled)
+        elif hasattr(self.model, "require_backward_grad_sync"):  # DDP
+            self.model.require_backward_grad_sync = enabled
+
+    def clip_and_step(self) -> float:
+        """Clip the global grad norm and step; a non-finite norm skips the step. Returns the norm."""
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        clip = self.optim_config.grad_clip
+        norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        norm = float(norm)
+        if torch.isfinite(torch.tensor(norm)):
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm
+
+    def backward_share(self, loss: torch.Tensor, units: float, global_units: float) -> None:
+        """Backward ``loss`` weighted by this micro-batch's share of the global batch.
+
+        FSDP2/DDP average gradients over ranks; multiplying by the world size turns that into a sum.
+        """
+        (loss * units / global_units * self.world_size).backward()
+
+    # --- checkpoints ----------------------------------------------------------------------------
+    def save(self, path: str) -> None:
+        """Save model + optimizer with torch distributed checkpoint (sharded, reshardable)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+
+    def load(self, path: str) -> None:
+        """Load a checkpoint written by ``save`` (any rank count)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])

@@ -1,0 +1,112 @@
+"""Rewards over real HTTP: reward_app served by aiohttp (in a thread, and as the CLI process), HttpReward client."""
+
+import asyncio
+import math
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import requests
+
+from miles_ray.rewards.http import HttpReward, reward_app
+from miles_ray.rewards.safe import SafeGroupReward, SafeReward
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def exact(text, entry):
+    if text == "boom":
+        raise RuntimeError("judge crashed")
+    if text == "slow":
+        time.sleep(2)
+    return math.nan if text == "nan" else float(text.strip() == entry["answer"])
+
+
+async def ranked(texts, entry):  # per group: 1 for the shortest correct answer, 0.5 other correct ones, else 0
+    correct = [i for i, t in enumerate(texts) if entry["answer"] in t]
+    best = min(correct, key=lambda i: len(texts[i])) if correct else None
+    return [1.0 if i == best else 0.5 if i in correct else 0.0 for i in range(len(texts))]
+
+
+@pytest.fixture(scope="module")
+def reward_server():
+    from aiohttp import web
+
+    port, loop = _port(), asyncio.new_event_loop()
+    runner = web.AppRunner(reward_app(exact, ranked, api_key="k"))
+
+    def serve():
+        asyncio.set_event_loop(loop)
+        loop.run_until_complete(runner.setup())
+        loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
+        loop.run_forever()
+
+    threading.Thread(target=serve, daemon=True).start()
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(100):
+        try:
+            requests.get(f"{url}/health", timeout=1)
+            break
+        except requests.ConnectionError:
+            time.sleep(0.05)
+    yield url
+    loop.call_soon_threadsafe(loop.stop)
+
+
+def test_remote_reward_values_and_failures(reward_server):
+    reward = SafeReward(HttpReward(reward_server, api_key="k"), timeout_s=1.0)
+    assert reward("42", {"answer": "42"}) == (1.0, None)
+    assert reward("41", {"answer": "42"}) == (0.0, None)
+    value, failure = reward("boom", {"answer": "42"})
+    assert (
+        value == 0.0 and failure.kind == "exception" and "judge crashed" in failure.message and "500" in failure.message
+    )
+    assert reward("nan", {"answer": "42"})[1].kind == "exception"  # the server refuses to send a NaN
+    assert reward("slow", {"answer": "42"})[1].kind == "timeout"
+    value, failure = SafeReward(HttpReward(reward_server, api_key="wrong"))("42", {"answer": "42"})
+    assert "401" in failure.message
+    dead = SafeReward(HttpReward(f"http://127.0.0.1:{_port()}"), timeout_s=5)("42", {"answer": "42"})
+    assert dead[0] == 0.0 and dead[1].kind == "exception"  # connection refused: recorded, not raised
+
+
+def test_remote_group_reward(reward_server):
+    group = SafeGroupReward(HttpReward(reward_server, api_key="k").group, timeout_s=2.0)
+    out = group(["the answer is 42", "42", "7"], {"answer": "42"})
+    assert out == [(0.5, None), (1.0, None), (0.0, None)]
+
+
+def test_group_reward_failures_in_process():
+    assert [f.kind for _, f in SafeGroupReward(lambda texts, e: [1.0])(["a", "b"], None)] == ["invalid"] * 2
+    out = SafeGroupReward(lambda texts, e: [1.0, math.nan])(["a", "b"], None)
+    assert out[0] == (1.0, None) and out[1][1].kind == "invalid"  # a NaN fails only its own sample
+    assert SafeGroupReward(lambda texts, e: 1 / 0)(["a"], None)[0][1].kind == "exception"
+    with pytest.raises(ValueError, match="must start with http"):
+        HttpReward("localhost:8100")
+
+
+def test_reward_server_cli_serves_an_import_path():
+    port = _port()
+    cmd = [sys.executable, "-m", "miles_ray.rewards.http", "--fn", "operator:contains", "--port", str(port)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(200):
+            try:
+                requests.get(f"{url}/health", timeout=1)
+                break
+            except requests.ConnectionError:
+                time.sleep(0.05)
+        reward = SafeReward(HttpReward(url), timeout_s=5)
+        assert reward("hello world", "world") == (1.0, None)  # operator.contains(text, entry)
+        bad = requests.post(f"{url}/reward", json={"entry": "x"}, timeout=5)
+        assert bad.status_code == 400 and "'response'" in bad.json()["error"]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)

@@ -34,6 +34,7 @@ p.add_argument("--samples-per-prompt", type=int, default=4, help="PPO needs no g
 p.add_argument("--max-new-tokens", type=int, default=24)
 p.add_argument("--lr", type=float, default=1e-5)
 p.add_argument("--critic-lr", type=float, default=1e-5)
+p.add_argument("--value-head-lr", type=float, default=1e-3, help="the zero-initialised head learns from scratch")
 p.add_argument("--kl-coef", type=float, default=0.01, help="k3 KL to the reference, in the loss")
 p.add_argument("--out", default="runs/ppo")
 args = p.parse_args()
@@ -47,9 +48,10 @@ pl = placement.create(placement.colocated(n, gpus_per_bundle=gpus, critic=True, 
 
 # --- the models: policy, critic, reference ----------------------------------------------------------
 backend = {"micro_batch_size": 16, "autocast": "bfloat16"}
-critic = actors.CriticGroup.remote(
-    actors.CriticGroupConfig(model_path=model_path, num_ranks=n, backend=backend, optimizer={"lr": args.critic_lr}), pl
+critic_cfg = actors.CriticGroupConfig(
+    model_path=model_path, num_ranks=n, backend=backend, optimizer={"lr": args.critic_lr}, head_lr=args.value_head_lr
 )
+critic = actors.CriticGroup.remote(critic_cfg, pl)
 reference = actors.ReferenceGroup.remote(  # same numerics as the policy (autocast), so KL is 0 at step 0
     actors.ReferenceGroupConfig(model_path=model_path, num_ranks=n, backend=backend), pl
 )

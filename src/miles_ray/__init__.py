@@ -3,7 +3,7 @@
 Five standalone actors, each with a typed config beside it:
 
 - ``TrainerGroup`` (trainer ranks, torch FSDP2/DDP backend)
-- ``RolloutPool`` (rollout engines; the embedded pure-PyTorch engine by default)
+- ``RolloutPool`` (rollout engines; the embedded pure-PyTorch engine by default, or vLLM servers)
 - ``Router`` (load balancing, health checks, eviction)
 - ``ReplayBuffer`` (sample groups by reference, staleness bound)
 - ``WeightBroadcaster`` (trainer -> engine weight sync, bucketed, versioned, verified)
@@ -34,6 +34,7 @@ from miles_ray.actors import (
 from miles_ray.engines.base import GenerateRequest, SamplingParams
 from miles_ray.engines.embedded import EmbeddedEngineConfig
 from miles_ray.engines.http_server import HttpServerConfig
+from miles_ray.engines.vllm import VLLMEngineConfig
 from miles_ray.hooks import TrainerHooksConfig
 from miles_ray.types import RolloutBatch, Sample
 
@@ -60,6 +61,7 @@ __all__ = [
     "TrainerGroup",
     "TrainerGroupConfig",
     "TrainerHooksConfig",
+    "VLLMEngineConfig",
     "WeightBroadcaster",
     "WeightBroadcasterConfig",
     "WeightSyncError",

@@ -24,6 +24,11 @@ EXPECTED = [
     "EmbeddedEngineConfig",
     "HttpServerConfig",
     "TrainerHooksConfig",
+    "VLLMEngineConfig",
+    "CriticGroup",
+    "CriticGroupConfig",
+    "ReferenceGroup",
+    "ReferenceGroupConfig",
     "placement",
 ]
 

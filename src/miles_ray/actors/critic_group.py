@@ -31,6 +31,13 @@ class CriticGroupConfig(StrictConfig):
     optimizer: OptimizerConfig = Field(
         default_factory=lambda: OptimizerConfig(lr=1e-5), description="Critic optimizer (AdamW)."
     )
+    head_lr: float | None = Field(
+        None,
+        gt=0.0,
+        le=1.0,
+        description="Learning rate of the zero-initialised value head (it starts from nothing while the "
+        "transformer is pretrained); None uses optimizer.lr.",
+    )
     value_clip: float | None = Field(
         0.2, gt=0.0, le=100.0, description="PPO value clipping around the rollout-time values; None disables."
     )
@@ -53,7 +60,7 @@ class CriticWorker(RankWorker):
         from miles_ray.backends.critic import TorchCriticBackend
 
         c = self.config
-        self.backend = TorchCriticBackend(c.backend, c.optimizer, c.model_path, c.value_clip)
+        self.backend = TorchCriticBackend(c.backend, c.optimizer, c.model_path, c.value_clip, c.head_lr)
 
     def compute_values(self, group_refs: list) -> list[list[float]] | None:
         """Collective: every sample's values on its trained tokens (rank 0 returns them)."""

@@ -19,16 +19,18 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Annotated
 
 import ray
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from miles_ray.config import StrictConfig
 from miles_ray.engines.base import GenerateOutput, GenerateRequest
 from miles_ray.engines.embedded import EmbeddedEngine, EmbeddedEngineConfig
 from miles_ray.engines.http_server import HttpServerConfig
 from miles_ray.engines.loop import EngineLoop
+from miles_ray.engines.vllm import VLLMEngineConfig
 from miles_ray.placement.groups import Placement
 from miles_ray.sync.plan import SyncPlan, unpack
 from miles_ray.sync.shm import as_tensor
@@ -38,14 +40,82 @@ class RolloutPoolConfig(StrictConfig):
     """How many engines, of which kind, and whether they serve HTTP."""
 
     num_engines: int = Field(1, ge=1, le=4096, description="Engine actors in the pool (one per engine slot).")
-    engine: EmbeddedEngineConfig = Field(..., description="Per-engine config (discriminated by `kind`).")
-    http: HttpServerConfig | None = Field(
-        None, description="Start each engine's HTTP server (SGLang-native + OpenAI API); None: Ray calls only."
+    engine: Annotated[EmbeddedEngineConfig | VLLMEngineConfig, Field(discriminator="kind")] = Field(
+        ..., description="Per-engine config, discriminated by `kind` (embedded | vllm)."
     )
+    http: HttpServerConfig | None = Field(
+        None,
+        description="Start each embedded engine's HTTP server (SGLang-native + OpenAI API); None: Ray calls only. "
+        "vLLM engines always serve their own OpenAI API.",
+    )
+
+    @model_validator(mode="after")
+    def _check_http(self) -> RolloutPoolConfig:
+        if self.http is not None and self.engine.kind != "embedded":
+            raise ValueError(f"http applies to embedded engines; engine.kind={self.engine.kind!r} serves its own")
+        return self
+
     served_model_name: str = Field("default", description="Model name the OpenAI routes report and accept.")
 
 
-class EngineActor:
+class WeightReceiver:
+    """The engine side of a weight sync, shared by every engine actor.
+
+    A subclass applies each unpacked bucket with ``_apply`` (called on a worker thread) and wraps the whole
+    load in ``_load(run, version, verify)``, which runs ``run`` and returns ``{"engine_id", "seconds",
+    "checksum"}``.
+    """
+
+    engine_id: int
+    _sync_group = None
+
+    def _apply(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+        raise NotImplementedError
+
+    async def _load(self, run, version: int, verify: bool) -> dict:
+        raise NotImplementedError
+
+    async def join_sync_group(self, host: str, port: int, rank: int, world_size: int, backend: str) -> None:
+        """Join the broadcast group used for disaggregated weight sync."""
+        from miles_ray.sync.gloo import BroadcastGroup
+
+        self._sync_group = await asyncio.to_thread(BroadcastGroup.create, host, port, rank, world_size, backend)
+
+    async def receive_broadcast(self, plan: SyncPlan, version: int, verify: bool = True) -> dict:
+        """Receive every bucket of ``plan`` from group rank 0 and load it; then set ``version``.
+
+        Returns:
+            ``{"engine_id", "seconds", "checksum"}``; the checksum (of the weights now held) only if ``verify``.
+
+        """
+        if self._sync_group is None:
+            raise RuntimeError("receive_broadcast before join_sync_group")
+
+        def run() -> None:
+            for bucket in plan.buckets:
+                flat = torch.empty(bucket.numel, dtype=bucket.dtype)
+                self._sync_group.broadcast(flat)
+                self._apply(unpack(bucket, flat))
+
+        return await self._load(run, version, verify)
+
+    async def load_buckets(self, plan: SyncPlan, bucket_refs: list[ray.ObjectRef], version: int, verify: bool = True):
+        """Load buckets from the object store (colocated sync; zero-copy reads); then set ``version``.
+
+        Returns:
+            As ``receive_broadcast``.
+
+        """
+        arrays = await asyncio.gather(*bucket_refs)  # mapped from shared memory, not copied
+
+        def run() -> None:
+            for bucket, array in zip(plan.buckets, arrays):
+                self._apply(unpack(bucket, as_tensor(array, bucket.dtype)))
+
+        return await self._load(run, version, verify)
+
+
+class EngineActor(WeightReceiver):
     """One rollout engine as an async actor (apply ``ray.remote`` via ``RolloutPool``)."""
 
     def __init__(self, engine_id: int, config: EmbeddedEngineConfig):
@@ -85,6 +155,9 @@ class EngineActor:
         """Continue after ``pause``."""
         self.loop.resume()
 
+    async def flush_cache(self) -> None:
+        """Nothing to drop: the embedded engine shares a prefix only within one request (no cross-request cache)."""
+
     async def start_http(self, config: HttpServerConfig, model_name: str = "default") -> str:
         """Serve this engine over HTTP (same running batch as Ray calls). Returns the base URL."""
         from miles_ray.engines.http_server import start_server
@@ -112,44 +185,8 @@ class EngineActor:
         """Checksum of the loaded weights."""
         return await asyncio.to_thread(self.engine.weights_checksum)
 
-    async def join_sync_group(self, host: str, port: int, rank: int, world_size: int, backend: str) -> None:
-        """Join the broadcast group used for disaggregated weight sync."""
-        from miles_ray.sync.gloo import BroadcastGroup
-
-        self._sync_group = await asyncio.to_thread(BroadcastGroup.create, host, port, rank, world_size, backend)
-
-    async def receive_broadcast(self, plan: SyncPlan, version: int, verify: bool = True) -> dict:
-        """Receive every bucket of ``plan`` from group rank 0 and load it; then set ``version``.
-
-        Returns:
-            ``{"engine_id", "seconds", "checksum"}``; the checksum (of the weights now held) only if ``verify``.
-
-        """
-        if self._sync_group is None:
-            raise RuntimeError("receive_broadcast before join_sync_group")
-
-        def run() -> None:
-            for bucket in plan.buckets:
-                flat = torch.empty(bucket.numel, dtype=bucket.dtype)
-                self._sync_group.broadcast(flat)
-                self.engine.update_weights(unpack(bucket, flat))
-
-        return await self._load(run, version, verify)
-
-    async def load_buckets(self, plan: SyncPlan, bucket_refs: list[ray.ObjectRef], version: int, verify: bool = True):
-        """Load buckets from the object store (colocated sync; zero-copy reads); then set ``version``.
-
-        Returns:
-            As ``receive_broadcast``.
-
-        """
-        arrays = await asyncio.gather(*bucket_refs)  # mapped from shared memory, not copied
-
-        def run() -> None:
-            for bucket, array in zip(plan.buckets, arrays):
-                self.engine.update_weights(unpack(bucket, as_tensor(array, bucket.dtype)))
-
-        return await self._load(run, version, verify)
+    def _apply(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+        self.engine.update_weights(named_tensors)
 
     async def _load(self, run, version: int, verify: bool) -> dict:
         # no decode step may see half-updated weights: pause in place around the load (running
@@ -175,18 +212,21 @@ class RolloutPool:
 
     def __init__(self, config: RolloutPoolConfig, placement: Placement):
         self.config = config
+        if config.engine.kind == "vllm":
+            from miles_ray.actors.vllm_engine import VLLMEngineActor
+
+            cls, args = VLLMEngineActor, lambda i: (i, config.engine, config.served_model_name)
+        else:
+            cls, args = EngineActor, lambda i: (i, config.engine)
         self._engines = placement.spawn(
-            EngineActor,
-            "engine",
-            "RolloutPoolConfig.num_engines",
-            config.num_engines,
-            lambda i: (i, config.engine),
-            max_concurrency=1000,
+            cls, "engine", "RolloutPoolConfig.num_engines", config.num_engines, args, max_concurrency=1000
         )
         # fail at setup, not on the first request: wait until every engine has loaded its model
-        ray.get([e.health.remote() for e in self._engines])
+        health = ray.get([e.health.remote() for e in self._engines])
         self._urls = None
-        if config.http is not None:
+        if config.engine.kind == "vllm":
+            self._urls = [h["url"] for h in health]
+        elif config.http is not None:
             self._urls = ray.get([e.start_http.remote(config.http, config.served_model_name) for e in self._engines])
 
     def engines(self) -> list:
@@ -197,7 +237,7 @@ class RolloutPool:
         """Base URLs of the engines' HTTP servers, in engine-id order.
 
         Raises:
-            RuntimeError: if the pool was configured without ``http``.
+            RuntimeError: if the pool's engines serve no HTTP (embedded engines without ``http``).
 
         """
         if self._urls is None:

@@ -260,12 +260,11 @@ class TrainerGroup:
 
         With a critic, its metrics join as ``critic/<name>``.
         """
+        # critic values and reference logprobs run concurrently; the ranks receive the refs (Ray resolves them)
         values = self._critic.compute_values.remote(group_refs) if self._critic is not None else None
         ref = None
         if self._reference is not None:
             ref = self._reference.compute_logprobs.remote(group_refs, self.config.temperature)
-        # resolved once here, passed by reference to every rank
-        values, ref = (None if f is None else ray.put(ray.get(f)) for f in (values, ref))
         metrics, returns = ray.get([w.train_step.remote(group_refs, values, ref) for w in self._workers])[0]
         if self._critic is not None:
             critic_metrics = ray.get(self._critic.train_step.remote(group_refs, values, returns))

@@ -49,10 +49,25 @@ class TorchCriticBackend(TorchRank):
     """One data-parallel rank of the critic, FSDP2 or DDP like the policy."""
 
     def __init__(
-        self, config: TorchBackendConfig, optim: OptimizerConfig, model_path: str, value_clip: float | None = 0.2
+        self,
+        config: TorchBackendConfig,
+        optim: OptimizerConfig,
+        model_path: str,
+        value_clip: float | None = 0.2,
+        head_lr: float | None = None,
     ):
+        self.head_lr = head_lr  # read by param_groups during super().__init__
         super().__init__(config, optim, ValueModel(model_path, param_dtype(config)))
         self.value_clip = value_clip
+
+    def param_groups(self) -> list[dict]:
+        """The zero-initialised head may learn faster than the pretrained transformer (``head_lr``)."""
+        if self.head_lr is None:
+            return super().param_groups()
+        named = list(self.model.named_parameters())
+        head = [p for n, p in named if n.startswith("value_head.")]
+        body = [p for n, p in named if not n.startswith("value_head.")]
+        return [{"params": body}, {"params": head, "lr": self.head_lr}]
 
     def _values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.config.autocast == "bfloat16"):

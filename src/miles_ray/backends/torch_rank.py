@@ -42,8 +42,12 @@ class TorchRank:
             return
         self.model = self.wrap(self.hf_model)
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay
+            self.param_groups(), lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay
         )
+
+    def param_groups(self) -> list[dict]:
+        """AdamW parameter groups (one, at the config's lr; subclasses may give some parameters their own lr)."""
+        return [{"params": list(self.model.parameters())}]
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """Wrap ``model`` for data parallelism as the config says (FSDP2 shards it over the ranks)."""

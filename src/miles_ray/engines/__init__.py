@@ -1,5 +1,6 @@
-"""Rollout engines behind the ``RolloutEngine`` interface; the embedded pure-PyTorch engine is the default."""
+"""Rollout engines behind the ``RolloutEngine`` interface: the embedded pure-PyTorch engine (default) and vLLM."""
 
 from miles_ray.engines.base import Completion, GenerateOutput, GenerateRequest, RolloutEngine, SamplingParams
+from miles_ray.engines.vllm import VLLMEngineConfig
 
-__all__ = ["Completion", "GenerateOutput", "GenerateRequest", "RolloutEngine", "SamplingParams"]
+__all__ = ["Completion", "GenerateOutput", "GenerateRequest", "RolloutEngine", "SamplingParams", "VLLMEngineConfig"]

@@ -68,3 +68,15 @@ def test_critic_micro_batching_does_not_change_the_update(tiny_model_path, paral
         results.append((m["value_loss"], _params(critic) - before))
     assert results[0][0] == pytest.approx(results[1][0], rel=1e-5)
     torch.testing.assert_close(results[0][1], results[1][1], atol=1e-6, rtol=1e-4)
+
+
+def test_head_lr_gives_the_value_head_its_own_learning_rate(tiny_model_path):
+    critic = TorchCriticBackend(TorchBackendConfig(), OptimizerConfig(lr=1e-5), tiny_model_path, head_lr=1e-2)
+    groups = critic.optimizer.param_groups
+    assert [g["lr"] for g in groups] == [1e-5, 1e-2] and len(groups[1]["params"]) == 2  # head weight and bias
+    batch = _batch()
+    returns = batch.rewards[:, None] * batch.response_mask
+    critic.train_step(batch, torch.zeros_like(returns), returns)
+    head = critic.hf_model.value_head.weight
+    head = head.full_tensor() if hasattr(head, "full_tensor") else head
+    assert float(head.abs().max()) == pytest.approx(1e-2, rel=1e-3)  # Adam's first step moves each weight by lr

@@ -21,6 +21,17 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
+def _wait_healthy(url: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            requests.get(f"{url}/health", timeout=1)
+            return
+        except requests.ConnectionError:
+            time.sleep(0.05)
+    raise TimeoutError(f"{url} not up after {timeout_s}s")
+
+
 def exact(text, entry):
     if text == "boom":
         raise RuntimeError("judge crashed")
@@ -50,12 +61,7 @@ def reward_server():
 
     threading.Thread(target=serve, daemon=True).start()
     url = f"http://127.0.0.1:{port}"
-    for _ in range(100):
-        try:
-            requests.get(f"{url}/health", timeout=1)
-            break
-        except requests.ConnectionError:
-            time.sleep(0.05)
+    _wait_healthy(url)
     yield url
     loop.call_soon_threadsafe(loop.stop)
 
@@ -97,12 +103,7 @@ def test_reward_server_cli_serves_an_import_path():
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
-        for _ in range(200):
-            try:
-                requests.get(f"{url}/health", timeout=1)
-                break
-            except requests.ConnectionError:
-                time.sleep(0.05)
+        _wait_healthy(url)
         reward = SafeReward(HttpReward(url), timeout_s=5)
         assert reward("hello world", "world") == (1.0, None)  # operator.contains(text, entry)
         bad = requests.post(f"{url}/reward", json={"entry": "x"}, timeout=5)

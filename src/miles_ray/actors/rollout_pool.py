@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Annotated
+from typing import Any
 
 import ray
 import torch
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from miles_ray.config import StrictConfig
 from miles_ray.engines.base import GenerateOutput, GenerateRequest
@@ -40,14 +40,27 @@ class RolloutPoolConfig(StrictConfig):
     """How many engines, of which kind, and whether they serve HTTP."""
 
     num_engines: int = Field(1, ge=1, le=4096, description="Engine actors in the pool (one per engine slot).")
-    engine: Annotated[EmbeddedEngineConfig | VLLMEngineConfig, Field(discriminator="kind")] = Field(
-        ..., description="Per-engine config, discriminated by `kind` (embedded | vllm)."
+    engine: EmbeddedEngineConfig | VLLMEngineConfig = Field(
+        ..., description="Per-engine config, selected by `kind` (embedded, the default when omitted | vllm)."
     )
     http: HttpServerConfig | None = Field(
         None,
         description="Start each embedded engine's HTTP server (SGLang-native + OpenAI API); None: Ray calls only. "
         "vLLM engines always serve their own OpenAI API.",
     )
+
+    @field_validator("engine", mode="before")
+    @classmethod
+    def _select_engine(cls, value: Any) -> Any:
+        # dispatch on `kind` by hand rather than a pydantic tagged union: `kind` may be omitted (embedded, as
+        # before vLLM existed) and errors keep the plain path (`engine.num_threads`, not `engine.embedded....`)
+        if not isinstance(value, dict):
+            return value
+        configs = {"embedded": EmbeddedEngineConfig, "vllm": VLLMEngineConfig}
+        kind = value.get("kind", "embedded")
+        if kind not in configs:
+            raise ValueError(f"engine.kind must be one of {sorted(configs)}, got {kind!r}")
+        return configs[kind].model_validate(value)
 
     @model_validator(mode="after")
     def _check_http(self) -> RolloutPoolConfig:

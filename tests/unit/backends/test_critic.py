@@ -78,5 +78,5 @@ def test_head_lr_gives_the_value_head_its_own_learning_rate(tiny_model_path):
     returns = batch.rewards[:, None] * batch.response_mask
     critic.train_step(batch, torch.zeros_like(returns), returns)
     head = critic.hf_model.value_head.weight
-    head = head.full_tensor() if hasattr(head, "full_tensor") else head
+    head = (head.full_tensor() if hasattr(head, "full_tensor") else head).detach()
     assert float(head.abs().max()) == pytest.approx(1e-2, rel=1e-3)  # Adam's first step moves each weight by lr

@@ -85,8 +85,7 @@ class VLLMEngineActor(WeightReceiver):
     async def health(self) -> dict:
         """Liveness (waits for the server on the first call) plus load and the loaded weight version."""
         await self._started()
-        if self.server._proc.poll() is not None:
-            raise RuntimeError(f"vLLM server exited:\n{self.server.log_tail()}")
+        self.server.check_alive()
         return {"engine_id": self.engine_id, "outstanding": self._outstanding, "version": self._version,
                 "url": self.url, "kind": "vllm"}  # fmt: skip
 

@@ -125,6 +125,11 @@ class VLLMServer:
         self._log.flush()
         return Path(self._log.name).read_text(errors="replace")[-num_chars:]
 
+    def check_alive(self) -> None:
+        """Raise ``VLLMError`` (with the log's tail) if the server process has exited."""
+        if self._proc.poll() is not None:
+            raise VLLMError(f"vLLM server exited with {self._proc.returncode}:\n{self.log_tail()}")
+
     async def _client(self):
         import aiohttp
 
@@ -141,8 +146,7 @@ class VLLMServer:
         """
         session, deadline = await self._client(), time.monotonic() + self.config.startup_timeout_s
         while time.monotonic() < deadline:
-            if self._proc.poll() is not None:
-                raise VLLMError(f"vLLM server exited with {self._proc.returncode}:\n{self.log_tail()}")
+            self.check_alive()
             try:
                 async with session.get(f"{self.url}/health") as resp:
                     if resp.status == 200:

@@ -7,6 +7,9 @@ import time
 import pytest
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+# Ray workers import test modules (for callables defined in them) and so need tests/e2e/helpers.py on their path
+_E2E = os.path.join(os.path.dirname(__file__), "e2e")
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_E2E, os.environ.get("PYTHONPATH")) if p)
 
 
 @pytest.fixture(scope="session")
@@ -43,7 +46,18 @@ def ray_cluster():
     """One real local Ray cluster for the whole session; 8 logical CPUs so fractional actors fit on 2 cores."""
     import ray
 
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        metrics_port = s.getsockname()[1]
+    # metrics are exported to Prometheus on metrics_port (tests/e2e/test_observability.py scrapes it)
+    ray.init(
+        num_cpus=8,
+        include_dashboard=False,
+        log_to_driver=False,
+        _metrics_export_port=metrics_port,
+        _system_config={"metrics_report_interval_ms": 1000},
+    )
+    ray.miles_ray_metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
     yield ray
     ray.shutdown()
 

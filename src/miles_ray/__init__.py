@@ -7,6 +7,7 @@ Five standalone actors, each with a typed config beside it:
 - ``Router`` (load balancing, health checks, eviction)
 - ``ReplayBuffer`` (sample groups by reference, staleness bound)
 - ``WeightBroadcaster`` (trainer -> engine weight sync, bucketed, versioned, verified)
+- fully async rollout: ``RolloutWorker`` streams sample groups into the buffer while the trainer trains
 - for PPO: ``CriticGroup`` (value model ranks) and ``ReferenceGroup`` (frozen reference ranks)
 
 ``miles_ray.placement`` plans colocated or disaggregated placement groups. See ``examples/quickstart.py``.
@@ -23,6 +24,8 @@ from miles_ray.actors import (
     ReplayBufferConfig,
     RolloutPool,
     RolloutPoolConfig,
+    RolloutWorker,
+    RolloutWorkerConfig,
     Router,
     RouterConfig,
     TrainerGroup,
@@ -49,6 +52,8 @@ __all__ = [
     "HttpServerConfig",
     "ReferenceGroup",
     "ReferenceGroupConfig",
+    "RolloutWorker",
+    "RolloutWorkerConfig",
     "ReplayBuffer",
     "ReplayBufferConfig",
     "RolloutBatch",

@@ -160,6 +160,11 @@ def generate_groups(
     return [GroupRef(ray.put(samples), len(samples), version, uid) for samples, version, uid in kept]
 
 
+def first_version(out) -> int:
+    """The oldest weight version that generated ``out`` (the one staleness is counted from)."""
+    return out.first_weight_version if out.first_weight_version >= 0 else out.weight_version
+
+
 def _generate_round(router, task, params: SamplingParams, num_prompts: int, reward: SafeReward):
     """``num_prompts`` rewarded groups as ``(samples, weight_version, uid)``."""
     prompts = [check_prompt(task.next_prompt(), task) for _ in range(num_prompts)]
@@ -168,27 +173,33 @@ def _generate_round(router, task, params: SamplingParams, num_prompts: int, rewa
     ]
     groups = []
     for prompt, out in zip(prompts, ray.get(futures)):
-        samples = []
-        if isinstance(reward, SafeGroupReward):  # one call scores the whole group
-            scored = reward([c.text for c in out.completions], prompt["entry"])
-        else:
-            scored = [reward(c.text, prompt["entry"]) for c in out.completions]
-        for c, (value, failure) in zip(out.completions, scored):
-            metadata = {"answer": prompt["entry"].get("answer"), "engine_id": out.engine_id}
-            value, loss_mask = record_reward(value, failure, [1] * len(c.token_ids), metadata)
-            samples.append(
-                Sample(
-                    prompt_ids=prompt["prompt_ids"],
-                    response_ids=c.token_ids,
-                    rollout_logprobs=c.logprobs,
-                    loss_mask=loss_mask,
-                    reward=value,
-                    group_id=prompt["uid"],
-                    weight_version=out.weight_version,
-                    finish_reason=c.finish_reason,
-                    response_text=c.text,
-                    metadata=metadata,
-                )
-            )
-        groups.append((samples, out.weight_version, prompt["uid"]))
+        groups.append((build_group(prompt, out, reward), first_version(out), prompt["uid"]))
     return groups
+
+
+def build_group(prompt: dict, out, reward: SafeReward | SafeGroupReward) -> list[Sample]:
+    """The rewarded samples of one prompt's ``GenerateOutput`` (a failed reward zeroes that sample's loss mask)."""
+    if isinstance(reward, SafeGroupReward):  # one call scores the whole group
+        scored = reward([c.text for c in out.completions], prompt["entry"])
+    else:
+        scored = [reward(c.text, prompt["entry"]) for c in out.completions]
+    samples = []
+    for c, (value, failure) in zip(out.completions, scored):
+        metadata = {"answer": prompt["entry"].get("answer"), "engine_id": out.engine_id,
+                    "last_weight_version": out.weight_version}  # fmt: skip
+        value, loss_mask = record_reward(value, failure, [1] * len(c.token_ids), metadata)
+        samples.append(
+            Sample(
+                prompt_ids=prompt["prompt_ids"],
+                response_ids=c.token_ids,
+                rollout_logprobs=c.logprobs,
+                loss_mask=loss_mask,
+                reward=value,
+                group_id=prompt["uid"],
+                weight_version=first_version(out),
+                finish_reason=c.finish_reason,
+                response_text=c.text,
+                metadata=metadata,
+            )
+        )
+    return samples

@@ -26,7 +26,8 @@ class Sample:
             (tool outputs in multi-turn rollouts); ``len(response_ids)``.
         reward: scalar reward, set by the reward function.
         group_id: samples that answer the same prompt share a group id (GRPO groups).
-        weight_version: the engine weight version that generated the response.
+        weight_version: the (oldest) engine weight version that generated the response; if weights were updated
+            mid-response, ``metadata["last_weight_version"]`` holds the newest.
         finish_reason: ``"stop"`` (stop token/string), ``"length"`` (max tokens) or ``"abort"``.
         metadata: free-form task data (the reasoning-gym entry, the answer, ...).
 

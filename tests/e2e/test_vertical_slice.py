@@ -6,15 +6,13 @@ equal the checksum of what the trainer sent, and engine logprobs equal the train
 
 import pytest
 import ray
+from helpers import ShortResponseTask, engines_and_router, synthetic_group, trainer_checksum  # noqa: E402
 from transformers import AutoTokenizer
 
 from miles_ray import placement
 from miles_ray.actors import (
     ReplayBuffer,
     ReplayBufferConfig,
-    RolloutPool,
-    RolloutPoolConfig,
-    Router,
     RouterConfig,
     TrainerGroup,
     TrainerGroupConfig,
@@ -22,41 +20,10 @@ from miles_ray.actors import (
     WeightBroadcasterConfig,
 )
 from miles_ray.engines.base import SamplingParams
-from miles_ray.engines.embedded import EmbeddedEngineConfig
 from miles_ray.rewards.safe import SafeReward
 from miles_ray.rollout import generate_groups
-from miles_ray.sync.checksum import buckets_checksum
-from miles_ray.sync.shm import as_tensor
 
 pytestmark = pytest.mark.e2e
-
-
-def engines_and_router(pl, model_path, num_engines, router_config=None):
-    """Pool, its engines and a router. Keep the pool handle: the engines die with the pool actor."""
-    pool_config = RolloutPoolConfig(num_engines=num_engines, engine=EmbeddedEngineConfig(model_path=model_path))
-    pool = RolloutPool.remote(pool_config, pl)
-    engines = ray.get(pool.engines.remote())
-    return pool, engines, Router.remote(router_config or RouterConfig(), engines)
-
-
-class ShortResponseTask:
-    """Data source + verifiable reward for a random tiny model: reward = share of response tokens below 1000.
-
-    The reward varies across a group's samples (so GRPO advantages are non-zero and weights must change),
-    and it is learnable: it depends only on which tokens the policy emits.
-    """
-
-    def __init__(self, tokenizer):
-        self.tokenizer, self.position = tokenizer, 0
-
-    def next_prompt(self):
-        self.position += 1
-        ids = self.tokenizer(f"Count to {self.position}:", add_special_tokens=False)["input_ids"]
-        return {"prompt_ids": ids, "entry": {"answer": None}, "index": self.position, "uid": self.position}
-
-    def reward(self, text, entry):
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"] or [10**6]
-        return sum(i < 1000 for i in ids) / len(ids)
 
 
 @pytest.mark.parametrize("topology", ["colocated", "disaggregated"])
@@ -148,21 +115,14 @@ def test_checkpoint_round_trip_and_hooks(make_placement, tiny_model_path, tmp_pa
     pl = make_placement(placement.colocated(2))
     cfg = TrainerGroupConfig(model_path=tiny_model_path, num_ranks=2, optimizer={"lr": 1e-3}, hooks=hooks)
     trainer = TrainerGroup.remote(cfg, pl)
-    workers = ray.get(trainer.workers.remote())
-    plan = ray.get(workers[0].sync_plan.remote("float32", 1 << 30))
 
-    def checksum():  # of the full (gathered) weights, from the buckets rank 0 puts in the object store
-        refs = [r for r in ray.get([w.put_weight_buckets.remote(plan) for w in workers]) if r][0]
-        return buckets_checksum(plan, [as_tensor(a, b.dtype) for b, a in zip(plan.buckets, ray.get(refs))])
+    def checksum():
+        return trainer_checksum(trainer)
 
     before = checksum()
     ray.get(trainer.save.remote(str(tmp_path / "ckpt")))
     # train one step on a synthetic group so the weights move, then load and expect the saved weights back
-    from miles_ray.actors.replay_buffer import GroupRef
-    from miles_ray.types import Sample
-
-    samples = [Sample([1, 2, 3], [4 + i, 5], [-1.0, -1.0], reward=float(i), group_id=0) for i in range(4)]
-    group = [GroupRef(ray.put(samples), 4, 0, 0)]
+    group = synthetic_group(0)
     metrics = ray.get(trainer.train_step.remote(group))
     ray.get(trainer.compute_logprobs.remote(group))
     assert checksum() != before

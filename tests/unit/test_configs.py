@@ -6,6 +6,7 @@ from pydantic import ValidationError
 from miles_ray.actors import (
     ReplayBufferConfig,
     RolloutPoolConfig,
+    RolloutWorkerConfig,
     RouterConfig,
     TrainerGroupConfig,
     WeightBroadcasterConfig,
@@ -36,6 +37,10 @@ from miles_ray.rewards import ReasoningGymTaskConfig
         (TrainerGroupConfig, {"model_path": "x", "num_ranks": 0}, "num_ranks"),
         (TrainerGroupConfig, {"model_path": "x", "old_logprobs": "stale"}, "old_logprobs"),
         (ReasoningGymTaskConfig, {"size": 0}, "size"),
+        (WeightBroadcasterConfig, {"in_flight": "drop"}, "in_flight"),
+        (RolloutWorkerConfig, {"prompts_in_flight": 0}, "prompts_in_flight"),
+        (RolloutWorkerConfig, {"max_buffered_groups": 0}, "max_buffered_groups"),
+        (TrainerGroupConfig, {"model_path": "x", "profile": {"steps": [], "out_dir": "t"}}, "profile.steps"),
         (PPOClipLossConfig, {"dual_clip": 1.0}, "dual_clip"),
         (TrainerGroupConfig, {"model_path": "x", "loss": {"kind": "gspo"}, "mismatch_correction": {}}, "ppo_clip"),
         (TrainerGroupConfig, {"model_path": "x", "mismatch_correction": {"cap": 1.0}}, "cap"),
@@ -80,6 +85,7 @@ def test_every_field_is_described():
         TrainerGroupConfig,
         RolloutPoolConfig,
         ReasoningGymTaskConfig,
+        RolloutWorkerConfig,
     ]:
         for name, f in cls.model_fields.items():
             if name != "kind":

@@ -29,6 +29,8 @@ EXPECTED = [
     "CriticGroupConfig",
     "ReferenceGroup",
     "ReferenceGroupConfig",
+    "RolloutWorker",
+    "RolloutWorkerConfig",
     "placement",
 ]
 

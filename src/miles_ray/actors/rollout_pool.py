@@ -19,14 +19,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
+from typing import Any, Literal
 
 import ray
 import torch
 from pydantic import Field, field_validator, model_validator
 
 from miles_ray.config import StrictConfig
-from miles_ray.engines.base import GenerateOutput, GenerateRequest
+from miles_ray.engines.base import Completion, GenerateOutput, GenerateRequest
 from miles_ray.engines.embedded import EmbeddedEngine, EmbeddedEngineConfig
 from miles_ray.engines.http_server import HttpServerConfig
 from miles_ray.engines.loop import EngineLoop
@@ -34,6 +34,9 @@ from miles_ray.engines.vllm import VLLMEngineConfig
 from miles_ray.placement.groups import Placement
 from miles_ray.sync.plan import SyncPlan, unpack
 from miles_ray.sync.shm import as_tensor
+
+InFlight = Literal["continue", "finish", "abort_resume"]
+IN_FLIGHT_MODES = ("continue", "finish", "abort_resume")
 
 
 class RolloutPoolConfig(StrictConfig):
@@ -85,7 +88,7 @@ class WeightReceiver:
     def _apply(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
         raise NotImplementedError
 
-    async def _load(self, run, version: int, verify: bool) -> dict:
+    async def _load(self, run, version: int, verify: bool, in_flight: InFlight) -> dict:
         raise NotImplementedError
 
     async def join_sync_group(self, host: str, port: int, rank: int, world_size: int, backend: str) -> None:
@@ -94,8 +97,12 @@ class WeightReceiver:
 
         self._sync_group = await asyncio.to_thread(BroadcastGroup.create, host, port, rank, world_size, backend)
 
-    async def receive_broadcast(self, plan: SyncPlan, version: int, verify: bool = True) -> dict:
+    async def receive_broadcast(
+        self, plan: SyncPlan, version: int, verify: bool = True, in_flight: InFlight = "continue"
+    ) -> dict:
         """Receive every bucket of ``plan`` from group rank 0 and load it; then set ``version``.
+
+        ``in_flight`` says what happens to requests generating meanwhile (``WeightBroadcasterConfig.in_flight``).
 
         Returns:
             ``{"engine_id", "seconds", "checksum"}``; the checksum (of the weights now held) only if ``verify``.
@@ -110,9 +117,16 @@ class WeightReceiver:
                 self._sync_group.broadcast(flat)
                 self._apply(unpack(bucket, flat))
 
-        return await self._load(run, version, verify)
+        return await self._load(run, version, verify, in_flight)
 
-    async def load_buckets(self, plan: SyncPlan, bucket_refs: list[ray.ObjectRef], version: int, verify: bool = True):
+    async def load_buckets(
+        self,
+        plan: SyncPlan,
+        bucket_refs: list[ray.ObjectRef],
+        version: int,
+        verify: bool = True,
+        in_flight: InFlight = "continue",
+    ) -> dict:
         """Load buckets from the object store (colocated sync; zero-copy reads); then set ``version``.
 
         Returns:
@@ -125,7 +139,7 @@ class WeightReceiver:
             for bucket, array in zip(plan.buckets, arrays):
                 self._apply(unpack(bucket, as_tensor(array, bucket.dtype)))
 
-        return await self._load(run, version, verify)
+        return await self._load(run, version, verify, in_flight)
 
 
 class EngineActor(WeightReceiver):
@@ -139,6 +153,9 @@ class EngineActor(WeightReceiver):
         self._sync_group = None
         self._http = None
         self.url: str | None = None
+        self._resume: set[str] = set()  # requests aborted by an `abort_resume` weight load, to continue after it
+        self._loaded = asyncio.Event()  # clear while such a load runs
+        self._loaded.set()
 
     # --- generation -----------------------------------------------------------------------------
     async def generate(self, request: GenerateRequest) -> GenerateOutput:
@@ -150,10 +167,47 @@ class EngineActor(WeightReceiver):
         """
         self._outstanding += 1
         try:
-            out = await self.loop.generate(request)
+            out = await self._generate_resumable(request)
         finally:
             self._outstanding -= 1
         out.engine_id = self.engine_id
+        from miles_ray import metrics as mx
+
+        mx.counter("engine_generated_tokens_total", "Tokens generated", ("engine",)).inc(
+            sum(len(c.token_ids) for c in out.completions), tags={"engine": str(self.engine_id)}
+        )
+        return out
+
+    async def _generate_resumable(self, request: GenerateRequest) -> GenerateOutput:
+        out = await self.loop.generate(request)
+        while request.request_id in self._resume:  # aborted by a weight load: continue on the new weights
+            self._resume.discard(request.request_id)
+            await self._loaded.wait()
+            out = await self._continue(request, out)
+        return out
+
+    async def _continue(self, request: GenerateRequest, out: GenerateOutput) -> GenerateOutput:
+        """Continue every aborted completion of ``out`` from its last token (a partial rollout).
+
+        Each continuation is a request of its own for the remaining tokens, with the prompt followed by the
+        tokens so far as its prompt (re-prefilled under the new weights); tokens and logprobs are concatenated.
+        """
+        p, parts = request.params, {}
+        for i, c in enumerate(out.completions):
+            remaining = p.max_new_tokens - len(c.token_ids)
+            if c.finish_reason != "abort" or remaining < 1:
+                continue
+            seed = None if p.seed is None else p.seed * 7919 + 31 * i + len(c.token_ids)
+            params = p.model_copy(update={"n": 1, "max_new_tokens": remaining, "seed": seed})
+            rid = f"{request.request_id}/resume{i}@{len(c.token_ids)}"
+            parts[i] = GenerateRequest(list(request.prompt_ids) + list(c.token_ids), params, request_id=rid)
+        outs = await asyncio.gather(*(self._generate_resumable(r) for r in parts.values()))
+        for i, more in zip(parts, outs):
+            c, tail = out.completions[i], more.completions[0]
+            tokens = list(c.token_ids) + list(tail.token_ids)
+            text = self.engine.tokenizer.decode(tokens, skip_special_tokens=True)
+            out.completions[i] = Completion(tokens, list(c.logprobs) + list(tail.logprobs), tail.finish_reason, text)
+            out.weight_version = max(out.weight_version, more.weight_version)
         return out
 
     async def abort(self, request_id: str | None = None) -> None:
@@ -201,22 +255,36 @@ class EngineActor(WeightReceiver):
     def _apply(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
         self.engine.update_weights(named_tensors)
 
-    async def _load(self, run, version: int, verify: bool) -> dict:
-        # no decode step may see half-updated weights: pause in place around the load (running
-        # sequences continue on the new weights afterwards)
+    async def _load(self, run, version: int, verify: bool, in_flight: InFlight) -> dict:
+        # no decode step may see half-updated weights: the engine is paused around the load. Requests in
+        # flight: `continue` keeps them in their slots and they go on with the new weights; `finish` admits no
+        # new request and waits until the running ones are done on the old weights; `abort_resume` aborts them
+        # and continues each from its last token once the new weights are in (`generate` does it).
+        if in_flight not in IN_FLIGHT_MODES:
+            raise ValueError(f"in_flight must be one of {IN_FLIGHT_MODES}, got {in_flight!r}")
         was_paused = self.engine.paused
-        await self.loop.pause("in_place")
         start = time.perf_counter()
+        if in_flight == "finish" and not was_paused:
+            self.engine.hold_admission(True)
+            while self.engine.num_running():
+                await asyncio.sleep(0.002)
+        elif in_flight == "abort_resume":
+            self._loaded.clear()
+            self._resume |= self.engine.request_ids()
+        drained = time.perf_counter()
+        await self.loop.pause("abort" if in_flight == "abort_resume" else "in_place")
         try:
             await asyncio.to_thread(run)
             self.engine.set_weight_version(version)
         finally:
+            self.engine.hold_admission(False)
+            self._loaded.set()
             if not was_paused:
                 self.loop.resume()
-        seconds = time.perf_counter() - start
+        seconds = time.perf_counter() - drained
         # hashing here, right after loading, runs in parallel with the trainer's hash of what it sent
         checksum = await asyncio.to_thread(self.engine.weights_checksum) if verify else None
-        return {"engine_id": self.engine_id, "seconds": seconds, "checksum": checksum}
+        return {"engine_id": self.engine_id, "seconds": seconds, "checksum": checksum, "drain_seconds": drained - start}
 
 
 @ray.remote(num_cpus=0)
@@ -225,22 +293,62 @@ class RolloutPool:
 
     def __init__(self, config: RolloutPoolConfig, placement: Placement):
         self.config = config
+        self._placement = placement
         if config.engine.kind == "vllm":
             from miles_ray.actors.vllm_engine import VLLMEngineActor
 
-            cls, args = VLLMEngineActor, lambda i: (i, config.engine, config.served_model_name)
+            self._cls, self._args = VLLMEngineActor, lambda i: (i, config.engine, config.served_model_name)
         else:
-            cls, args = EngineActor, lambda i: (i, config.engine)
+            self._cls, self._args = EngineActor, lambda i: (i, config.engine)
         self._engines = placement.spawn(
-            cls, "engine", "RolloutPoolConfig.num_engines", config.num_engines, args, max_concurrency=1000
+            self._cls, "engine", "RolloutPoolConfig.num_engines", config.num_engines, self._args, max_concurrency=1000
         )
+        self._urls = self._start(self._engines)
+        self._respawned = 0
+
+    def _start(self, engines: list) -> list[str] | None:
         # fail at setup, not on the first request: wait until every engine has loaded its model
-        health = ray.get([e.health.remote() for e in self._engines])
-        self._urls = None
-        if config.engine.kind == "vllm":
-            self._urls = [h["url"] for h in health]
-        elif config.http is not None:
-            self._urls = ray.get([e.start_http.remote(config.http, config.served_model_name) for e in self._engines])
+        health = ray.get([e.health.remote() for e in engines])
+        if self.config.engine.kind == "vllm":
+            return [h["url"] for h in health]
+        if self.config.http is not None:
+            return ray.get([e.start_http.remote(self.config.http, self.config.served_model_name) for e in engines])
+        return None
+
+    def respawn_dead(self, health_timeout_s: float = 60.0) -> dict[int, Any]:
+        """Replace every engine that is dead (or does not answer a health check in time) on its own slot.
+
+        A hung engine is killed first. The new engine loads the model from ``engine.model_path`` (weight
+        version 0): give it the current weights (``WeightBroadcaster.replace_engine``) before routing to it;
+        ``miles_ray.fault.heal_engines`` does all three steps.
+
+        Returns:
+            engine id -> the new engine's handle, for the engines replaced (empty if all were alive).
+
+        """
+        probes = [e.health.remote() for e in self._engines]
+        ready, _ = ray.wait(probes, num_returns=len(probes), timeout=health_timeout_s)
+        dead = []
+        for i, probe in enumerate(probes):
+            try:
+                if probe not in ready:
+                    raise TimeoutError
+                ray.get(probe)
+            except (ray.exceptions.RayActorError, TimeoutError):
+                ray.kill(self._engines[i], no_restart=True)  # a hung engine must not come back beside its successor
+                dead.append(i)
+        new = {i: self._placement.spawn_one(self._cls, "engine", i, self._args(i), max_concurrency=1000) for i in dead}
+        urls = self._start(list(new.values())) if new else None
+        for k, (i, engine) in enumerate(new.items()):
+            self._engines[i] = engine
+            if urls is not None:
+                self._urls[i] = urls[k]
+        self._respawned += len(new)
+        return new
+
+    def num_respawned(self) -> int:
+        """Engines replaced by ``respawn_dead`` so far."""
+        return self._respawned
 
     def engines(self) -> list:
         """Handles of the engine actors, in engine-id order."""

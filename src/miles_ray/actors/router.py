@@ -21,6 +21,7 @@ import ray
 from pydantic import Field
 from ray.exceptions import GetTimeoutError, RayActorError
 
+from miles_ray import metrics as mx
 from miles_ray.config import StrictConfig
 from miles_ray.engines.base import GenerateOutput, GenerateRequest
 
@@ -54,6 +55,7 @@ class Router:
         self._rr = itertools.count()
         self._health_task = None
         self._served = dict.fromkeys(self._engines, 0)
+        self._retried = 0  # requests re-sent because their engine died
 
     def _healthy(self) -> list[int]:
         return [i for i in self._engines if i not in self._evicted]
@@ -84,14 +86,23 @@ class Router:
             idx = self._pick()
             self._outstanding[idx] += 1
             self._served[idx] += 1
+            self._depth(idx)
             try:
                 return await self._engines[idx].generate.remote(request)
             except RayActorError as exc:
                 last_exc = exc
                 self._evict(idx)
+                self._retried += 1
+                mx.counter("router_retries_total", "Requests re-sent because their engine died").inc()
             finally:
                 self._outstanding[idx] -= 1
+                self._depth(idx)
         raise NoHealthyEngineError(f"request failed on {self.config.max_retries + 1} engines") from last_exc
+
+    def _depth(self, idx: int) -> None:
+        mx.gauge("router_outstanding", "Requests in flight per engine", ("engine",)).set(
+            self._outstanding[idx], tags={"engine": str(idx)}
+        )
 
     def _evict(self, idx: int) -> None:
         self._evicted.add(idx)
@@ -130,5 +141,10 @@ class Router:
         return idx
 
     async def stats(self) -> dict:
-        """Per-engine outstanding and served counts, and which engines are evicted."""
-        return {"outstanding": dict(self._outstanding), "served": dict(self._served), "evicted": sorted(self._evicted)}
+        """Per-engine outstanding and served counts, which engines are evicted, requests retried after a death."""
+        return {
+            "outstanding": dict(self._outstanding),
+            "served": dict(self._served),
+            "evicted": sorted(self._evicted),
+            "retried": self._retried,
+        }

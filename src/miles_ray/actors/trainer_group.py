@@ -14,7 +14,10 @@ Usage::
 from __future__ import annotations
 
 import json
+import logging
+import math
 import os
+import time
 from typing import Literal
 
 import ray
@@ -41,6 +44,18 @@ from miles_ray.placement.groups import Placement
 from miles_ray.sync.checksum import buckets_checksum
 from miles_ray.sync.plan import SyncPlan
 from miles_ray.types import RolloutBatch, Sample
+
+logger = logging.getLogger(__name__)
+
+
+class ProfilerConfig(StrictConfig):
+    """torch profiler capture of chosen train steps, one Chrome trace per rank and step."""
+
+    steps: list[int] = Field(..., min_length=1, description="Train steps to capture (0 = the first train_step call).")
+    out_dir: str = Field(..., description="Directory of the traces: trace_step<k>_rank<r>.json (chrome://tracing).")
+    record_shapes: bool = Field(False, description="Record operator input shapes.")
+    with_stack: bool = Field(False, description="Record Python stacks (larger traces).")
+    profile_memory: bool = Field(False, description="Record tensor memory allocation.")
 
 
 class TrainerGroupConfig(StrictConfig):
@@ -77,6 +92,7 @@ class TrainerGroupConfig(StrictConfig):
         default_factory=TrainerHooksConfig, description="User callables run on every rank at fixed points."
     )
     seed: int = Field(0, description="torch seed on every rank.")
+    profile: ProfilerConfig | None = Field(None, description="Capture torch profiler traces of some train steps.")
 
     @model_validator(mode="after")
     def _check_correction(self) -> TrainerGroupConfig:
@@ -95,6 +111,7 @@ class TrainerWorker(RankWorker):
         self.external_reference = external_reference
         self.backend = None
         self._sync_group = None
+        self._steps = 0  # train_step calls on this rank, for ProfilerConfig.steps
 
     def setup(self) -> None:
         """Build the backend (model, optimizer, on-rank reference unless a ReferenceGroup serves it) and hooks."""
@@ -143,6 +160,21 @@ class TrainerWorker(RankWorker):
             ``(metrics, returns)``: with GAE, rank 0 also returns the critic's targets per sample.
 
         """
+        p, step = self.config.profile, self._steps
+        self._steps += 1
+        if p is None or step not in p.steps:
+            return self._train_step(group_refs, values, ref_logprobs)
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        opts = {"record_shapes": p.record_shapes, "with_stack": p.with_stack, "profile_memory": p.profile_memory}
+        with profile(activities=activities, **opts) as prof:
+            out = self._train_step(group_refs, values, ref_logprobs)
+        os.makedirs(p.out_dir, exist_ok=True)
+        prof.export_chrome_trace(os.path.join(p.out_dir, f"trace_step{step}_rank{self.rank}.json"))
+        return out
+
+    def _train_step(self, group_refs: list, values, ref_logprobs):
         batch, samples = self._batch(group_refs)
         mask, c = batch.response_mask, self.config
         ref = None if ref_logprobs is None else from_masked_lists(ref_logprobs, mask, "ref_logprobs")
@@ -219,6 +251,19 @@ class TrainerWorker(RankWorker):
         self.backend.save(path)
         self.hooks.call("after_save", self.ctx, path)
 
+    def export_hf(self, path: str, dtype: str) -> None:
+        """Collective: gather the full weights; rank 0 writes ``model.safetensors`` and the HF config/tokenizer."""
+        from miles_ray.models.export import write_hf_dir
+        from miles_ray.sync.plan import unpack
+
+        plan = self.backend.sync_plan(getattr(torch, dtype), 1 << 30)
+        tensors = {}
+        for bucket, flat in self._gather(plan):
+            if self.rank == 0:
+                tensors.update((name, t.clone()) for name, t in unpack(bucket, flat))
+        if self.rank == 0:
+            write_hf_dir(self.config.model_path, path, tensors)
+
     def load(self, path: str) -> None:
         """Collective checkpoint load."""
         self.backend.load(path)
@@ -246,6 +291,8 @@ class TrainerGroup:
             placement, TrainerWorker, "trainer", "TrainerGroupConfig.num_ranks", config, reference is not None
         )
         self._version = 0
+        self._skipped = 0
+        self._placement, self._restarts = placement, 0
 
     def workers(self) -> list:
         """Rank actor handles, rank order (the WeightBroadcaster drives them directly)."""
@@ -258,8 +305,11 @@ class TrainerGroup:
     def train_step(self, group_refs: list) -> dict[str, float]:
         """One optimizer step on all ranks over the given sample groups; returns metrics and the new version.
 
-        With a critic, its metrics join as ``critic/<name>``.
+        With a critic, its metrics join as ``critic/<name>``. A step whose loss or gradients are not finite
+        (on any rank) is skipped: ``step_skipped`` is 1, the weights, optimizer state and weight version stay
+        as they were, and ``skipped_steps`` counts such steps over the run.
         """
+        start = time.perf_counter()
         # critic values and reference logprobs run concurrently; the ranks receive the refs (Ray resolves them)
         values = self._critic.compute_values.remote(group_refs) if self._critic is not None else None
         ref = None
@@ -269,22 +319,84 @@ class TrainerGroup:
         if self._critic is not None:
             critic_metrics = ray.get(self._critic.train_step.remote(group_refs, values, returns))
             metrics.update({f"critic/{k}": v for k, v in critic_metrics.items()})
-        self._version += 1
+        if metrics["step_skipped"]:  # non-finite loss or gradients: weights unchanged, so is the version
+            self._skipped += 1
+            logger.warning("train step skipped (non-finite loss or grad norm %s); weight version stays %d",
+                           metrics["grad_norm"], self._version)  # fmt: skip
+        else:
+            self._version += 1
         metrics["weight_version"] = self._version
+        metrics["skipped_steps"] = self._skipped
+        self._record(metrics, time.perf_counter() - start, sum(g.num_samples for g in group_refs))
         return metrics
+
+    def _record(self, m: dict, seconds: float, num_samples: int) -> None:
+        from miles_ray import metrics as mx
+
+        skipped = "1" if m["step_skipped"] else "0"
+        mx.counter("train_steps_total", "Trainer steps", ("skipped",)).inc(tags={"skipped": skipped})
+        mx.seconds_histogram("train_step_seconds", "Seconds per trainer step").observe(seconds)
+        mx.counter("train_samples_total", "Samples trained on").inc(num_samples)
+        mx.gauge("trainer_weight_version", "The trainer's weight version").set(self._version)
+        for name, key in (
+            ("train_loss", "loss"),
+            ("train_grad_norm", "grad_norm"),
+            ("reward_mean", "shaped_reward_mean"),
+        ):
+            if math.isfinite(m[key]):
+                mx.gauge(name, f"Last trainer step's {key}").set(m[key])
 
     def compute_logprobs(self, group_refs: list) -> list[list[float]]:
         """Response-token logprobs of every sample (in the groups' order) under the current weights."""
         return ray.get([w.compute_logprobs.remote(group_refs) for w in self._workers])[0]
 
+    def export_hf(self, path: str, dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16") -> str:
+        """Write the current policy as an HF model directory (``model.safetensors`` + config + tokenizer).
+
+        ``AutoModelForCausalLM.from_pretrained(path)`` loads it, as do vLLM and SGLang. Returns ``path``.
+        """
+        ray.get([w.export_hf.remote(path, dtype) for w in self._workers])
+        return path
+
+    def restart(self, path: str | None = None) -> int:
+        """Replace every rank actor (dead or alive) with a fresh one; then load the checkpoint at ``path``.
+
+        After a rank dies its process group is broken, so the whole group is rebuilt on the same placement.
+        ``path`` None leaves the new ranks at the initial weights and version 0 (for a caller that restores a
+        whole-run checkpoint next, ``RunCheckpointer.load``). The new rank handles differ: give them to the
+        ``WeightBroadcaster`` (``set_trainer_workers``); ``miles_ray.fault.restart_trainer`` does both.
+
+        Returns:
+            The weight version now held.
+
+        """
+        for w in self._workers:
+            ray.kill(w, no_restart=True)
+        self._workers = start_ranks(
+            self._placement, TrainerWorker, "trainer", "TrainerGroupConfig.num_ranks", self.config,
+            self._reference is not None,
+        )  # fmt: skip
+        self._version = self._skipped = 0
+        if path is not None:
+            self.load(path)
+        self._restarts += 1
+        return self._version
+
+    def num_restarts(self) -> int:
+        """How many times ``restart`` rebuilt the ranks."""
+        return self._restarts
+
     def save(self, path: str) -> None:
         """Checkpoint model and optimizer (torch DCP) and the weight version into directory ``path``."""
         ray.get([w.save.remote(path) for w in self._workers])
         with open(os.path.join(path, "miles_ray_trainer.json"), "w") as f:
-            json.dump({"weight_version": self._version, "num_ranks": len(self._workers)}, f)
+            json.dump(
+                {"weight_version": self._version, "num_ranks": len(self._workers), "skipped_steps": self._skipped}, f
+            )
 
     def load(self, path: str) -> None:
         """Load a checkpoint written by ``save`` (any rank count); restores the weight version."""
         ray.get([w.load.remote(path) for w in self._workers])
         with open(os.path.join(path, "miles_ray_trainer.json")) as f:
-            self._version = json.load(f)["weight_version"]
+            saved = json.load(f)
+        self._version, self._skipped = saved["weight_version"], saved.get("skipped_steps", 0)

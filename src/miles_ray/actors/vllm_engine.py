@@ -108,7 +108,9 @@ class VLLMEngineActor(WeightReceiver):
     def _apply(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
         self._pending.extend(named_tensors)  # views into this sync's bucket buffers, alive until the load ends
 
-    async def _load(self, run, version: int, verify: bool) -> dict:
+    async def _load(self, run, version: int, verify: bool, in_flight: str) -> dict:
+        if in_flight != "continue":  # vLLM's pause modes map to the others, untested here: refuse rather than guess
+            raise ValueError(f"vLLM engines support in_flight='continue' only, got {in_flight!r}")
         await self._started()
         start = time.perf_counter()
         self._pending = []

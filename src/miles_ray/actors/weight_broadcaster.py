@@ -47,6 +47,12 @@ class WeightBroadcasterConfig(StrictConfig):
         "float32", description="dtype the engines hold; the trainer casts before sending."
     )
     verify: bool = Field(True, description="Compare engine checksums with the sent weights after every sync.")
+    in_flight: Literal["continue", "finish", "abort_resume"] = Field(
+        "continue",
+        description="Requests generating during a sync: continue (kept in their slots, go on with the new weights), "
+        "finish (engines admit nothing new and finish them on the old weights first) or abort_resume (aborted, then "
+        "continued from their last token on the new weights). vLLM engines: continue only.",
+    )
 
 
 @ray.remote(num_cpus=0)
@@ -80,8 +86,9 @@ class WeightBroadcaster:
         """Send the trainer's current weights to every engine as ``version`` and verify them.
 
         Returns:
-            ``{"seconds", "transfer_seconds", "bytes", "gb_per_s", "num_buckets", "version", "checksum"}``:
-            ``seconds`` is the whole sync, ``transfer_seconds`` and ``gb_per_s`` leave out the hashing.
+            ``{"seconds", "transfer_seconds", "bytes", "gb_per_s", "num_buckets", "version", "checksum",
+            "drain_seconds"}``: ``seconds`` is the whole sync, ``transfer_seconds`` and ``gb_per_s`` leave out the
+            hashing and the wait for in-flight requests (``drain_seconds``, with ``in_flight="finish"``).
 
         Raises:
             WeightSyncError: if an engine's version or checksum differs from the trainer's.
@@ -93,27 +100,15 @@ class WeightBroadcaster:
             if not self._group_ready:
                 self._setup_group()
             sends = [w.broadcast_weights.remote(self._plan, verify) for w in self._workers]
-            recvs = [e.receive_broadcast.remote(self._plan, version, verify) for e in self._engines]
+            mode = self.config.in_flight
+            recvs = [e.receive_broadcast.remote(self._plan, version, verify, mode) for e in self._engines]
             sent_checksum = ray.get(sends)[0]
             loaded = ray.get(recvs)
             put_s = 0.0  # engines' receive time covers the trainer's gather and send
         else:
-            refs = [r for r in ray.get([w.put_weight_buckets.remote(self._plan) for w in self._workers]) if r][0]
-            put_s = time.perf_counter() - start
-            loads = [e.load_buckets.remote(self._plan, refs, version, verify) for e in self._engines]
-            # the object-store copies are the bytes the trainer sent: hash them here while engines load
-            sent_checksum = self._checksum_refs(refs) if verify else None
-            loaded = ray.get(loads)
-            del refs  # the buckets leave the object store once engines are done
-        transfer_s = put_s + max(r["seconds"] for r in loaded)  # without hashing
-        versions = ray.get([e.weight_version.remote() for e in self._engines])
-        if any(v != version for v in versions):
-            raise WeightSyncError(f"engines hold versions {versions} after syncing version {version}")
-        if verify:
-            bad = [r["engine_id"] for r in loaded if r["checksum"] != sent_checksum]
-            if bad:
-                held = [r["checksum"] for r in loaded if r["engine_id"] in bad]
-                raise WeightSyncError(f"engines {bad} hold checksums {held}, trainer sent {sent_checksum}")
+            put_s, sent_checksum, loaded = self._push_through_store(self._engines, version)
+        transfer_s = put_s + max(r["seconds"] for r in loaded)  # without hashing or draining
+        self._check(self._engines, loaded, version, sent_checksum)
         total = self._plan.total_bytes
         self._last = {
             "seconds": time.perf_counter() - start,
@@ -123,8 +118,74 @@ class WeightBroadcaster:
             "num_buckets": len(self._plan.buckets),
             "version": version,
             "checksum": sent_checksum,
+            "drain_seconds": max(r.get("drain_seconds", 0.0) for r in loaded),
         }
+        from miles_ray import metrics as mx
+
+        mx.seconds_histogram("weight_sync_seconds", "Seconds per weight sync").observe(self._last["seconds"])
+        mx.counter("weight_sync_bytes_total", "Bytes sent per engine by weight syncs").inc(total)
         return dict(self._last)
+
+    def _push_through_store(self, engines: list, version: int) -> tuple[float, str | None, list[dict]]:
+        """Rank 0 puts the buckets in the object store, ``engines`` load them.
+
+        Returns:
+            ``(put seconds, sent checksum, load reports)``.
+
+        """
+        start = time.perf_counter()
+        refs = [r for r in ray.get([w.put_weight_buckets.remote(self._plan) for w in self._workers]) if r][0]
+        put_s = time.perf_counter() - start
+        c = self.config
+        loads = [e.load_buckets.remote(self._plan, refs, version, c.verify, c.in_flight) for e in engines]
+        # the object-store copies are the bytes the trainer sent: hash them here while engines load
+        sent_checksum = self._checksum_refs(refs) if self.config.verify else None
+        loaded = ray.get(loads)
+        del refs  # the buckets leave the object store once engines are done
+        return put_s, sent_checksum, loaded
+
+    def _check(self, engines: list, loaded: list[dict], version: int, sent_checksum: str | None) -> None:
+        versions = ray.get([e.weight_version.remote() for e in engines])
+        if any(v != version for v in versions):
+            raise WeightSyncError(f"engines hold versions {versions} after syncing version {version}")
+        if self.config.verify:
+            bad = [r["engine_id"] for r in loaded if r["checksum"] != sent_checksum]
+            if bad:
+                held = [r["checksum"] for r in loaded if r["engine_id"] in bad]
+                raise WeightSyncError(f"engines {bad} hold checksums {held}, trainer sent {sent_checksum}")
+
+    def replace_engine(self, engine_id: int, engine, version: int) -> dict:
+        """Put ``engine`` in place of engine ``engine_id`` (a respawned one) and load the trainer's weights into it.
+
+        The weights go through the object store whatever the transport (one engine; works across nodes), as
+        ``version``, the trainer's current weight version, and are verified like a sync. With the broadcast
+        transport the next ``sync`` re-forms the collective group with the new engine in it.
+
+        Returns:
+            ``{"engine_id", "version", "seconds", "checksum"}``.
+
+        Raises:
+            IndexError: for an engine id this broadcaster does not drive.
+            WeightSyncError: if the new engine does not hold what was sent.
+
+        """
+        if not 0 <= engine_id < len(self._engines):
+            raise IndexError(
+                f"engine_id {engine_id} out of range: this broadcaster drives {len(self._engines)} engines"
+            )
+        self._engines[engine_id] = engine
+        self._group_ready = False  # the old group has a dead member
+        start = time.perf_counter()
+        _, sent_checksum, loaded = self._push_through_store([engine], version)
+        self._check([engine], loaded, version, sent_checksum)
+        return {"engine_id": engine_id, "version": version, "seconds": time.perf_counter() - start,
+                "checksum": sent_checksum}  # fmt: skip
+
+    def set_trainer_workers(self, trainer_workers: list) -> None:
+        """Drive new trainer rank actors (after ``TrainerGroup.restart``); the next sync re-forms the group."""
+        if not trainer_workers:
+            raise ValueError("set_trainer_workers needs at least one trainer worker")
+        self._workers, self._group_ready = list(trainer_workers), False
 
     def _checksum_refs(self, refs: list) -> str:
         arrays = ray.get(refs)

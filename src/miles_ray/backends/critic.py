@@ -114,7 +114,7 @@ class TorchCriticBackend(TorchRank):
             sums["loss"] += float(loss.detach()) * tokens
             sums["value_clipfrac"] += m["value_clipfrac"] * tokens
             sums["tokens"] += tokens
-        grad_norm = self.clip_and_step()
+        grad_norm, skipped = self.clip_and_step(sums["loss"])
         reduced = torch.tensor(list(sums.values()), dtype=torch.float64)
         dist.all_reduce(reduced)
         r = dict(zip(sums, reduced.tolist()))
@@ -123,6 +123,7 @@ class TorchCriticBackend(TorchRank):
             "value_loss": r["loss"] / tokens,
             "value_clipfrac": r["value_clipfrac"] / tokens,
             "grad_norm": grad_norm,
+            "step_skipped": float(skipped),
             "num_tokens": r["tokens"],
         }
 

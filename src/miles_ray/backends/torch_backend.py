@@ -221,7 +221,7 @@ class TorchBackend(PolicyRank):
                 sums["entropy_sum"] += float((entropy * mask).sum())
                 lp_diff_max = max(lp_diff_max, float(diff.max()) if diff.numel() else 0.0)
             sums["tokens"] += tokens
-        grad_norm = self.clip_and_step()
+        grad_norm, skipped = self.clip_and_step(sums["loss"])
         reduced = torch.tensor([sums[k] for k in sums] + [local_units], dtype=torch.float64)
         dist.all_reduce(reduced)
         r = dict(zip(list(sums) + ["units"], reduced.tolist()))
@@ -233,6 +233,7 @@ class TorchBackend(PolicyRank):
             **metrics,
             "loss": r["loss"] / max(r["units"], 1.0),
             "grad_norm": grad_norm,
+            "step_skipped": float(skipped),
             "train_rollout_logprob_abs_diff_mean": r["lp_diff_sum"] / tokens,
             "train_rollout_logprob_abs_diff_max": float(max_t),
             "train_rollout_k3_kl": r["k3_sum"] / tokens,

@@ -8,6 +8,9 @@ no optimizer. The module must expose its decoder layers as ``module.model.layers
 
 from __future__ import annotations
 
+import math
+import os
+
 import torch
 import torch.distributed as dist
 
@@ -77,18 +80,28 @@ class TorchRank:
         elif hasattr(self.model, "require_backward_grad_sync"):  # DDP
             self.model.require_backward_grad_sync = enabled
 
-    def clip_and_step(self) -> float:
-        """Clip the global grad norm and step; a non-finite norm skips the step. Returns the norm."""
+    def clip_and_step(self, loss_sum: float = 0.0) -> tuple[float, bool]:
+        """Clip the global grad norm and step, unless the step is not finite on some rank.
+
+        A non-finite gradient norm (global already) or a non-finite ``loss_sum`` on any rank skips the
+        optimizer step on every rank: weights and optimizer state stay as they were, the gradients are dropped.
+
+        Returns:
+            ``(grad norm, skipped)``.
+
+        """
         params = [p for p in self.model.parameters() if p.grad is not None]
         clip = self.optim_config.grad_clip
         norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
         if hasattr(norm, "full_tensor"):
             norm = norm.full_tensor()
         norm = float(norm)
-        if torch.isfinite(torch.tensor(norm)):
+        bad = 0.0 if math.isfinite(norm) and math.isfinite(loss_sum) else 1.0
+        skipped = self.global_sum(bad) > 0  # every rank takes the same decision
+        if not skipped:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return norm
+        return norm, skipped
 
     def backward_share(self, loss: torch.Tensor, units: float, global_units: float) -> None:
         """Backward ``loss`` weighted by this micro-batch's share of the global batch.
@@ -99,12 +112,20 @@ class TorchRank:
 
     # --- checkpoints ----------------------------------------------------------------------------
     def save(self, path: str) -> None:
-        """Save model + optimizer with torch distributed checkpoint (sharded, reshardable)."""
+        """Save model + optimizer with torch distributed checkpoint (sharded, reshardable), and this rank's RNG."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+        torch.save(self.rng_state(), os.path.join(path, f"rng_rank{self.rank}.pt"))
+
+    def rng_state(self) -> dict:
+        """The rank's torch RNG states (CPU, and CUDA when present)."""
+        state = {"cpu": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            state["cuda"] = torch.cuda.get_rng_state()
+        return state
 
     def load(self, path: str) -> None:
         """Load a checkpoint written by ``save`` (any rank count)."""
@@ -115,3 +136,9 @@ class TorchRank:
         state = {"model": model_sd, "optim": optim_sd}
         dcp.load(state, checkpoint_id=path)
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        rng = os.path.join(path, f"rng_rank{self.rank}.pt")
+        if os.path.exists(rng):  # absent when loading at a larger rank count than saved, or an older checkpoint
+            saved = torch.load(rng)
+            torch.set_rng_state(saved["cpu"])
+            if "cuda" in saved and torch.cuda.is_available():
+                torch.cuda.set_rng_state(saved["cuda"])

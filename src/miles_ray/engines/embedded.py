@@ -126,6 +126,7 @@ class EmbeddedEngine:
         self._abort_all = False
         self._running: list[_Row] = []  # row i lives in cache slot i
         self._paused = False
+        self._holding = False  # admit no waiting request (running ones go on): draining before a weight load
 
     # --- weights -------------------------------------------------------------------------------
     def update_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
@@ -222,6 +223,20 @@ class EmbeddedEngine:
         """Continue stepping after ``pause``."""
         self._paused = False
 
+    def hold_admission(self, hold: bool) -> None:
+        """Stop (``True``) or restart admitting waiting requests; running sequences keep decoding meanwhile."""
+        self._holding = hold
+
+    def num_running(self) -> int:
+        """Sequences decoding now."""
+        return len(self._running)
+
+    def request_ids(self) -> set[str]:
+        """Ids of the requests waiting or running now."""
+        with self._mu:
+            waiting = {r.request.request_id for r in self._waiting}
+        return waiting | {row.req.request.request_id for row in list(self._running)}
+
     @property
     def paused(self) -> bool:
         """Whether the engine is paused."""
@@ -231,7 +246,8 @@ class EmbeddedEngine:
         """True when a ``step`` would do something."""
         with self._mu:
             marks = self._abort_all or bool(self._abort_ids)
-            return marks or (not self._paused and bool(self._running or self._waiting))
+            waiting = bool(self._waiting) and not self._holding
+            return marks or (not self._paused and bool(self._running or waiting))
 
     def stats(self) -> dict:
         """Load: running sequences, waiting requests, KV tokens in use and the slot count."""
@@ -310,6 +326,8 @@ class EmbeddedEngine:
 
     def _admit(self) -> list[_Request]:
         admitted, free, budget = [], self.num_slots - len(self._running), self.config.max_prefill_tokens
+        if self._holding:
+            return admitted
         with self._mu:
             while self._waiting:
                 req = self._waiting[0]

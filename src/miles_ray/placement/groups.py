@@ -53,10 +53,19 @@ class Placement:
         if count != len(slots):
             hint = f" (plan it with placement.colocated(..., {role}=True) or disaggregated(...))" if not slots else ""
             raise ValueError(f"{count_field}={count} but the placement plan has {len(slots)} {role} slots{hint}")
-        remote_cls = ray.remote(cls)
-        return [
-            remote_cls.options(**self.options(slot), **options).remote(*make_args(i)) for i, slot in enumerate(slots)
-        ]
+        return [self.spawn_one(cls, role, i, make_args(i), **options) for i in range(len(slots))]
+
+    def spawn_one(self, cls: type, role: str, index: int, args: tuple, **options):
+        """Start one ``cls(*args)`` actor on the ``index``-th ``role`` slot (e.g. to replace a dead one there).
+
+        Raises:
+            IndexError: if the plan has no such slot.
+
+        """
+        slots = self.plan.slots(role)
+        if not 0 <= index < len(slots):
+            raise IndexError(f"{role} slot {index} does not exist (the plan has {len(slots)})")
+        return ray.remote(cls).options(**self.options(slots[index]), **options).remote(*args)
 
 
 @ray.remote(num_cpus=0)

@@ -96,6 +96,14 @@ class ReasoningGymTask:
             "uid": self.position - 1,
         }
 
+    def state_dict(self) -> dict:
+        """The data position (for a run checkpoint; the dataset itself is rebuilt from the config's seed)."""
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Go back to a ``state_dict()`` position."""
+        self.position = int(state["position"])
+
     def reward(self, response_text: str, entry: dict) -> float:
         """Score in [0, 1] from the dataset's own ``score_answer``."""
         return float(self.dataset.score_answer(extract_answer(response_text), entry))

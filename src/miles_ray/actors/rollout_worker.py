@@ -1,0 +1,170 @@
+"""RolloutWorker: fully async rollout. Streams rewarded sample groups into the ReplayBuffer, non-stop.
+
+The worker keeps ``prompts_in_flight`` prompts generating through the Router; each finished prompt is
+rewarded and its group put in the object store and added to the buffer with the (oldest) weight version
+that generated it. The trainer takes batches at its own pace (``ReplayBuffer.get_batch(..., timeout_s=...)``)
+and weights are pushed while generation goes on (``WeightBroadcasterConfig.in_flight`` says what happens to
+requests caught mid-generation). Off-policyness is bounded twice: the worker launches no new prompt while
+the buffer plus its in-flight prompts hold ``max_buffered_groups``, and the buffer drops groups older than
+``max_staleness`` versions (keep them and correct with ``TrainerGroupConfig(old_logprobs="rollout",
+mismatch_correction=...)`` instead by leaving ``max_staleness`` None).
+
+Usage::
+
+    worker = RolloutWorker.remote(RolloutWorkerConfig(sampling=SamplingParams(n=8)), router, buffer, task)
+    ray.get(worker.start.remote())
+    while training:
+        batch = ray.get(buffer.get_batch.remote(8, current_version=version, timeout_s=600))
+        ...
+    ray.get(worker.stop.remote())
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from collections.abc import Callable
+from typing import Any
+
+import ray
+from pydantic import Field
+
+from miles_ray import metrics as mx
+from miles_ray.actors.replay_buffer import GroupRef
+from miles_ray.config import StrictConfig
+from miles_ray.engines.base import GenerateRequest, SamplingParams
+from miles_ray.rewards.safe import SafeReward, resolve_callable
+from miles_ray.rollout import build_group, check_prompt, first_version
+
+
+class RolloutWorkerConfig(StrictConfig):
+    """Sampling, concurrency and back-pressure of the async rollout."""
+
+    sampling: SamplingParams = Field(default_factory=SamplingParams, description="Per prompt; n is the group size.")
+    prompts_in_flight: int = Field(8, ge=1, le=1_000_000, description="Prompts generating at once.")
+    max_buffered_groups: int = Field(
+        32,
+        ge=1,
+        le=10_000_000,
+        description="Launch no prompt while buffer + in-flight groups reach this many; keep it above the trainer's "
+        "groups per batch, or get_batch waits for groups that are never generated.",
+    )
+    group_filter: str | Callable[..., Any] | None = Field(
+        None, description="Keep a group only if filter(samples) is true (e.g. 'miles_ray.rollout:has_reward_signal')."
+    )
+
+
+@ray.remote(num_cpus=0)
+class RolloutWorker:
+    """Drives one data source through a Router into a ReplayBuffer, continuously (an async actor)."""
+
+    def __init__(self, config: RolloutWorkerConfig, router, buffer, task, reward=None):
+        self.config, self._router, self._buffer, self._task = config, router, buffer, task
+        self._reward = reward or SafeReward(task.reward)
+        self._keep = resolve_callable(config.group_filter, "group_filter") if config.group_filter else None
+        self._in_flight: dict[int, dict] = {}  # uid -> prompt
+        self._pending: collections.deque[dict] = collections.deque()  # prompts to (re)send before new ones
+        self._loop_task: asyncio.Task | None = None
+        self._tasks: set[asyncio.Task] = set()
+        self._error: BaseException | None = None
+        self._counts = {"groups_added": 0, "samples_added": 0, "groups_dropped": 0}
+        self._started_at = self._stopped_at = None
+
+    async def start(self) -> None:
+        """Start generating (again, after ``stop``)."""
+        if self._loop_task is not None and not self._loop_task.done():
+            return
+        await asyncio.gather(*self._tasks, return_exceptions=True)  # after an error, let the others land first
+        self._pending.extendleft(reversed(list(self._in_flight.values())))  # prompts that failed go out again
+        self._in_flight = {}
+        self._error, self._started_at, self._stopped_at = None, time.monotonic(), None
+        self._loop_task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> dict:
+        """Launch no more prompts and wait for the ones in flight to land in the buffer. Returns ``stats()``.
+
+        Raises:
+            The first error the rollout hit (a reward or rollout failure, no healthy engine left).
+
+        """
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            await asyncio.gather(self._loop_task, return_exceptions=True)
+            self._loop_task = None
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._stopped_at = time.monotonic()
+        if self._error is not None:
+            raise self._error
+        return await self.stats()
+
+    async def stats(self) -> dict:
+        """Groups and samples added, groups dropped by the filter, prompts in flight, samples/s since ``start``."""
+        end = self._stopped_at or time.monotonic()
+        elapsed = end - self._started_at if self._started_at is not None else 0.0
+        rate = self._counts["samples_added"] / elapsed if elapsed > 0 else 0.0
+        return {**self._counts, "in_flight": len(self._in_flight), "samples_per_s": rate,
+                "running": self._loop_task is not None and not self._loop_task.done(),
+                "error": None if self._error is None else repr(self._error)}  # fmt: skip
+
+    async def state(self) -> dict:
+        """The data position, for a run checkpoint taken while stopped (``stop()`` lands every prompt in flight).
+
+        The source's ``state_dict()`` plus the prompts handed out but not in the buffer (ones that failed),
+        which ``load_state`` sends again first: no prompt is lost or repeated.
+
+        Raises:
+            RuntimeError: while running. TypeError: if the data source has no ``state_dict()``.
+
+        """
+        if self._loop_task is not None:
+            raise RuntimeError("state() while running: stop() first, so the buffer holds every finished prompt")
+        if not hasattr(self._task, "state_dict"):
+            raise TypeError(f"{type(self._task).__name__} has no state_dict(): its position cannot be saved")
+        unsent = list(self._in_flight.values()) + list(self._pending)  # failed ones first, in uid order
+        return {"task": self._task.state_dict(), "unsent": unsent, "counts": dict(self._counts)}
+
+    async def load_state(self, state: dict) -> None:
+        """Restore a ``state()`` (while stopped); the unsent prompts go out first on ``start``."""
+        if self._loop_task is not None:
+            raise RuntimeError("load_state while running: stop() first")
+        self._task.load_state_dict(state["task"])
+        self._pending, self._in_flight = collections.deque(state["unsent"]), {}
+        self._counts = dict(state["counts"])
+
+    # --- the loop -------------------------------------------------------------------------------
+    def _next_prompt(self) -> dict:
+        return self._pending.popleft() if self._pending else check_prompt(self._task.next_prompt(), self._task)
+
+    async def _run(self) -> None:
+        c = self.config
+        while self._error is None:
+            if len(self._in_flight) >= c.prompts_in_flight:
+                await asyncio.sleep(0.005)
+                continue
+            if await self._buffer.size.remote() + len(self._in_flight) >= c.max_buffered_groups:
+                await asyncio.sleep(0.02)  # back-pressure: the trainer is behind
+                continue
+            prompt = self._next_prompt()
+            self._in_flight[prompt["uid"]] = prompt
+            task = asyncio.get_running_loop().create_task(self._one(prompt))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _one(self, prompt: dict) -> None:
+        try:
+            request = GenerateRequest(prompt["prompt_ids"], self.config.sampling, request_id=f"p{prompt['uid']}")
+            out = await self._router.generate.remote(request)
+            samples = await asyncio.to_thread(build_group, prompt, out, self._reward)
+            if self._keep is None or self._keep(samples):
+                await self._buffer.add.remote(
+                    [GroupRef(ray.put(samples), len(samples), first_version(out), prompt["uid"])]
+                )
+                self._counts["groups_added"] += 1
+                self._counts["samples_added"] += len(samples)
+                mx.counter("rollout_samples_total", "Samples the rollout worker added to the buffer").inc(len(samples))
+            else:
+                self._counts["groups_dropped"] += 1
+            del self._in_flight[prompt["uid"]]
+        except Exception as exc:  # keep the prompt as unsent; stop launching; stop()/stats() report it
+            self._error = self._error or exc

@@ -1,0 +1,210 @@
+"""Whole-run checkpoints: trainer (and critic) weights + optimizer + RNG, buffer contents, data position, step.
+
+One checkpoint is one directory ``root/step_<step>/``:
+
+- ``trainer/``: torch DCP shards of model and optimizer, each rank's RNG, the weight version (``TrainerGroup.save``)
+- ``critic/``: the same for a PPO critic, when given
+- ``buffer.pkl``: every group the ReplayBuffer holds, payloads included, and its counters
+- ``data.pkl``: the data position: a data source's ``state_dict()`` (sync drivers) or a stopped
+  ``RolloutWorker``'s ``state()`` (fully async drivers, with the prompts handed out but not in the buffer)
+- ``run.json``: step, weight version, the driver's ``extra`` dict; written last, so its presence marks a
+  complete checkpoint. The driver process's Python and torch RNG states go into ``driver_rng.pkl``.
+
+Writes are atomic: everything goes into ``root/.tmp-step_<step>-<id>/``, which is renamed into place only when
+complete, and then ``root/latest`` is replaced (write + rename). A crash during a save leaves the previous
+checkpoint as the latest, usable as it was. On a multi-node cluster ``root`` must be a shared filesystem (the
+trainer ranks write their shards there).
+
+Usage::
+
+    ckpt = RunCheckpointer("runs/grpo/checkpoints", keep_last=2)
+    ckpt.save(step, trainer, buffer=buffer, data_source=task, extra={"best_reward": r})
+    ...
+    meta = ckpt.load(ckpt.latest(), trainer, buffer=buffer, data_source=task)   # meta["step"], meta["extra"]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import random
+import shutil
+import time
+import uuid
+from pathlib import Path
+
+import ray
+import torch
+
+FORMAT = 1
+
+
+class RunCheckpointer:
+    """Saves and finds whole-run checkpoints under ``root``; keeps the newest ``keep_last`` of them."""
+
+    def __init__(self, root: str | os.PathLike, keep_last: int = 2):
+        if keep_last < 1:
+            raise ValueError(f"keep_last must be >= 1, got {keep_last}")
+        self.root, self.keep_last = Path(root), keep_last
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def save(
+        self,
+        step: int,
+        trainer,
+        *,
+        critic=None,
+        buffer=None,
+        rollout_worker=None,
+        data_source=None,
+        extra: dict | None = None,
+    ) -> Path:
+        """Checkpoint the run after ``step``; returns the checkpoint directory.
+
+        Args:
+            step: the driver's step count (restored by ``load``).
+            trainer: the ``TrainerGroup``.
+            critic: a PPO ``CriticGroup``, if any.
+            buffer: the ``ReplayBuffer``, if its contents must survive (async runs hold groups across steps).
+            rollout_worker: a stopped ``RolloutWorker`` (async runs): its data source and unsent prompts.
+            data_source: the driver's data source (sync runs), with ``state_dict()``.
+            extra: JSON-serialisable driver state.
+
+        Raises:
+            ValueError: if both ``rollout_worker`` and ``data_source`` are given (neither: no data position saved).
+            TypeError: if ``data_source`` has no ``state_dict()``.
+            Anything a part raises: the previous checkpoint stays the latest.
+
+        """
+        if rollout_worker is not None and data_source is not None:
+            raise ValueError("give rollout_worker (async runs) or data_source (sync runs), not both")
+        for old in self.root.glob(".tmp-step_*"):  # leftovers of a save that crashed
+            shutil.rmtree(old, ignore_errors=True)
+        name = f"step_{step:08d}"
+        tmp = self.root / f".tmp-{name}-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir()
+        ray.get(trainer.save.remote(str(tmp / "trainer")))
+        if critic is not None:
+            ray.get(critic.save.remote(str(tmp / "critic")))
+        if buffer is not None:
+            _write_pickle(tmp / "buffer.pkl", ray.get(buffer.state.remote()))
+        if rollout_worker is not None:
+            _write_pickle(tmp / "data.pkl", {"kind": "rollout_worker", "state": ray.get(rollout_worker.state.remote())})
+        elif data_source is not None:
+            if not hasattr(data_source, "state_dict"):
+                raise TypeError(f"{type(data_source).__name__} has no state_dict(): its position cannot be saved")
+            _write_pickle(tmp / "data.pkl", {"kind": "data_source", "state": data_source.state_dict()})
+        _write_pickle(tmp / "driver_rng.pkl", {"python": random.getstate(), "torch": torch.get_rng_state()})
+        meta = {
+            "format": FORMAT,
+            "step": step,
+            "weight_version": ray.get(trainer.weight_version.remote()),
+            "time": time.time(),
+            "has": sorted(p.name for p in tmp.iterdir()),
+            "extra": extra or {},
+        }
+        _write_bytes(tmp / "run.json", json.dumps(meta, indent=2).encode())  # last: marks the checkpoint complete
+        _fsync_dir(tmp)
+        final = self.root / name
+        trash = None
+        if final.exists():  # re-saving a step (after a resume): swap, never leave no complete copy on disk
+            trash = self.root / f".tmp-old-{name}-{uuid.uuid4().hex[:8]}"
+            final.rename(trash)
+        tmp.rename(final)
+        _write_bytes(self.root / "latest", name.encode(), atomic=True)
+        _fsync_dir(self.root)
+        if trash is not None:
+            shutil.rmtree(trash, ignore_errors=True)
+        for stale in self.complete()[: -self.keep_last]:
+            shutil.rmtree(stale, ignore_errors=True)
+        return final
+
+    def complete(self) -> list[Path]:
+        """Complete checkpoint directories, oldest first."""
+        return sorted(p for p in self.root.glob("step_*") if (p / "run.json").exists())
+
+    def latest(self) -> Path | None:
+        """The newest complete checkpoint (``root/latest`` when it names one), or None."""
+        pointer = self.root / "latest"
+        if pointer.exists():
+            named = self.root / pointer.read_text().strip()
+            if (named / "run.json").exists():
+                return named
+        done = self.complete()
+        return done[-1] if done else None
+
+    def load(
+        self,
+        path: str | os.PathLike | None,
+        trainer,
+        *,
+        critic=None,
+        buffer=None,
+        rollout_worker=None,
+        data_source=None,
+        restore_driver_rng: bool = True,
+    ) -> dict:
+        """Restore what ``save`` wrote into the given actors and data source; returns ``run.json``.
+
+        ``path`` None means ``latest()``. The trainer must have been built with the same model (any rank count:
+        DCP reshards; the RNG of ranks beyond the saved count is left as seeded).
+
+        Raises:
+            FileNotFoundError: if there is no complete checkpoint there, or it lacks a part asked for.
+
+        """
+        path = Path(path) if path is not None else self.latest()
+        if path is None or not (path / "run.json").exists():
+            raise FileNotFoundError(f"no complete checkpoint at {path or self.root}")
+        meta = json.loads((path / "run.json").read_text())
+        asked = {"critic": critic, "buffer.pkl": buffer, "data.pkl": rollout_worker or data_source}
+        missing = [part for part, target in asked.items() if target is not None and part not in meta["has"]]
+        if missing:
+            raise FileNotFoundError(f"checkpoint {path} has no {missing} (it holds {meta['has']})")
+        ray.get(trainer.load.remote(str(path / "trainer")))
+        if critic is not None:
+            ray.get(critic.load.remote(str(path / "critic")))
+        if buffer is not None:
+            ray.get(buffer.load_state.remote(_read_pickle(path / "buffer.pkl")))
+        if rollout_worker is not None or data_source is not None:
+            data = _read_pickle(path / "data.pkl")
+            want = "rollout_worker" if rollout_worker is not None else "data_source"
+            if data["kind"] != want:
+                raise ValueError(f"checkpoint {path} saved the data position of a {data['kind']}, not a {want}")
+            if rollout_worker is not None:
+                ray.get(rollout_worker.load_state.remote(data["state"]))
+            else:
+                data_source.load_state_dict(data["state"])
+        if restore_driver_rng:
+            rng = _read_pickle(path / "driver_rng.pkl")
+            random.setstate(rng["python"])
+            torch.set_rng_state(rng["torch"])
+        return meta
+
+
+def _write_pickle(path: Path, obj) -> None:
+    _write_bytes(path, pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def _read_pickle(path: Path):
+    with open(path, "rb") as f:
+        return pickle.load(f)  # noqa: S301 (our own checkpoint files)
+
+
+def _write_bytes(path: Path, data: bytes, atomic: bool = False) -> None:
+    target = path.with_name(path.name + ".tmp") if atomic else path
+    with open(target, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    if atomic:
+        os.replace(target, path)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,61 @@
+"""Shared pieces of the end-to-end tests: a learnable task for a random tiny model, an engine stack, checksums."""
+
+import ray
+
+from miles_ray.actors import RolloutPool, RolloutPoolConfig, Router, RouterConfig
+from miles_ray.actors.replay_buffer import GroupRef
+from miles_ray.engines.embedded import EmbeddedEngineConfig
+from miles_ray.sync.checksum import buckets_checksum
+from miles_ray.sync.shm import as_tensor
+from miles_ray.types import Sample
+
+
+def engines_and_router(pl, model_path, num_engines, router_config=None):
+    """Pool, its engines and a router. Keep the pool handle: the engines die with the pool actor."""
+    pool_config = RolloutPoolConfig(num_engines=num_engines, engine=EmbeddedEngineConfig(model_path=model_path))
+    pool = RolloutPool.remote(pool_config, pl)
+    engines = ray.get(pool.engines.remote())
+    return pool, engines, Router.remote(router_config or RouterConfig(), engines)
+
+
+class ShortResponseTask:
+    """Data source + verifiable reward for a random tiny model: reward = share of response tokens below 1000.
+
+    The reward varies across a group's samples (so GRPO advantages are non-zero and weights must change),
+    and it is learnable: it depends only on which tokens the policy emits.
+    """
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.position = tokenizer, 0
+
+    def next_prompt(self):
+        self.position += 1
+        ids = self.tokenizer(f"Count to {self.position}:", add_special_tokens=False)["input_ids"]
+        return {"prompt_ids": ids, "entry": {"answer": None}, "index": self.position, "uid": self.position}
+
+    def state_dict(self):
+        return {"position": self.position}
+
+    def load_state_dict(self, state):
+        self.position = state["position"]
+
+    def reward(self, text, entry):
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"] or [10**6]
+        return sum(i < 1000 for i in ids) / len(ids)
+
+
+def trainer_checksum(trainer) -> str:
+    """Checksum of the trainer's full weights (from the buckets rank 0 gathers into the object store)."""
+    workers = ray.get(trainer.workers.remote())
+    plan = ray.get(workers[0].sync_plan.remote("float32", 1 << 30))
+    refs = [r for r in ray.get([w.put_weight_buckets.remote(plan) for w in workers]) if r][0]
+    return buckets_checksum(plan, [as_tensor(a, b.dtype) for b, a in zip(plan.buckets, ray.get(refs))])
+
+
+def synthetic_group(group_id: int, first_token: int = 1) -> list[GroupRef]:
+    """One group of 4 two-token responses with rewards 0..3 (non-zero GRPO advantages), as a one-GroupRef list."""
+    prompt = [first_token, 2, 3]
+    samples = [
+        Sample(prompt, [4 + i, 5 + group_id], [-1.0, -1.0], reward=float(i), group_id=group_id) for i in range(4)
+    ]
+    return [GroupRef(ray.put(samples), 4, 0, group_id)]

@@ -51,14 +51,25 @@ def test_metrics_reach_the_prometheus_endpoint_and_profiler_writes_traces(
         "ray_miles_ray_buffer_groups", "ray_miles_ray_buffer_staleness_mean", "ray_miles_ray_router_outstanding",
         "ray_miles_ray_engine_generated_tokens_total", "ray_miles_ray_driver_phase_seconds",
     }  # fmt: skip
+
+    # the cluster is shared by the whole test session: count only what this test's actors recorded
+    def worker_id(actor):
+        return ray.get(actor.__ray_call__.remote(lambda self: ray.get_runtime_context().get_worker_id()))
+
+    ours = {worker_id(a) for a in (trainer, engines[0], wb)}
+
+    def ours_only(rows):
+        return sum(v for labels, v in rows if labels["WorkerId"] in ours)
+
     deadline, seen = time.time() + 60, {}
     while time.time() < deadline:  # Ray's agents export every second here (metrics_report_interval_ms)
         seen = metrics.scrape(ray.miles_ray_metrics_url)
-        if want <= set(seen) and seen["ray_miles_ray_trainer_weight_version"][0][1] == 2:
+        done = {"trainer_weight_version": 2, "train_samples_total": 8, "engine_generated_tokens_total": 64}
+        if want <= set(seen) and all(ours_only(seen[f"ray_miles_ray_{k}"]) == v for k, v in done.items()):
             break
         time.sleep(1)
     assert want <= set(seen), sorted(want - set(seen))
-    value = {name: sum(v for _, v in rows) for name, rows in seen.items()}
+    value = {name: ours_only(rows) for name, rows in seen.items()}
     assert value["ray_miles_ray_trainer_weight_version"] == 2
     assert value["ray_miles_ray_train_samples_total"] == 8  # 2 steps x 2 groups x 2 samples
     assert value["ray_miles_ray_engine_generated_tokens_total"] == 64  # 2 steps x 4 samples x 8 tokens

@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import ray
 import torch
 from pydantic import Field, field_validator, model_validator
 
+from miles_ray import metrics as mx
 from miles_ray.config import StrictConfig
 from miles_ray.engines.base import Completion, GenerateOutput, GenerateRequest
 from miles_ray.engines.embedded import EmbeddedEngine, EmbeddedEngineConfig
@@ -36,7 +37,7 @@ from miles_ray.sync.plan import SyncPlan, unpack
 from miles_ray.sync.shm import as_tensor
 
 InFlight = Literal["continue", "finish", "abort_resume"]
-IN_FLIGHT_MODES = ("continue", "finish", "abort_resume")
+IN_FLIGHT_MODES = get_args(InFlight)
 
 
 class RolloutPoolConfig(StrictConfig):
@@ -171,8 +172,6 @@ class EngineActor(WeightReceiver):
         finally:
             self._outstanding -= 1
         out.engine_id = self.engine_id
-        from miles_ray import metrics as mx
-
         mx.counter("engine_generated_tokens_total", "Tokens generated", ("engine",)).inc(
             sum(len(c.token_ids) for c in out.completions), tags={"engine": str(self.engine_id)}
         )

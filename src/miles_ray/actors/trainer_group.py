@@ -287,12 +287,17 @@ class TrainerGroup:
         if reference is not None and config.kl is None:
             raise ValueError("a reference actor was given but TrainerGroupConfig.kl is None (nothing would use it)")
         self.config, self._critic, self._reference = config, critic, reference
-        self._workers = start_ranks(
-            placement, TrainerWorker, "trainer", "TrainerGroupConfig.num_ranks", config, reference is not None
-        )
+        self._placement = placement
+        self._workers = self._start_ranks()
         self._version = 0
         self._skipped = 0
-        self._placement, self._restarts = placement, 0
+        self._restarts = 0
+
+    def _start_ranks(self) -> list:
+        return start_ranks(
+            self._placement, TrainerWorker, "trainer", "TrainerGroupConfig.num_ranks", self.config,
+            self._reference is not None,
+        )  # fmt: skip
 
     def workers(self) -> list:
         """Rank actor handles, rank order (the WeightBroadcaster drives them directly)."""
@@ -372,10 +377,7 @@ class TrainerGroup:
         """
         for w in self._workers:
             ray.kill(w, no_restart=True)
-        self._workers = start_ranks(
-            self._placement, TrainerWorker, "trainer", "TrainerGroupConfig.num_ranks", self.config,
-            self._reference is not None,
-        )  # fmt: skip
+        self._workers = self._start_ranks()
         self._version = self._skipped = 0
         if path is not None:
             self.load(path)

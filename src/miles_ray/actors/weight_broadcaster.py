@@ -25,6 +25,7 @@ from typing import Literal
 import ray
 from pydantic import Field
 
+from miles_ray.actors.rollout_pool import InFlight
 from miles_ray.config import StrictConfig
 from miles_ray.sync.checksum import buckets_checksum
 from miles_ray.sync.shm import as_tensor
@@ -47,7 +48,7 @@ class WeightBroadcasterConfig(StrictConfig):
         "float32", description="dtype the engines hold; the trainer casts before sending."
     )
     verify: bool = Field(True, description="Compare engine checksums with the sent weights after every sync.")
-    in_flight: Literal["continue", "finish", "abort_resume"] = Field(
+    in_flight: InFlight = Field(
         "continue",
         description="Requests generating during a sync: continue (kept in their slots, go on with the new weights), "
         "finish (engines admit nothing new and finish them on the old weights first) or abort_resume (aborted, then "

@@ -57,6 +57,7 @@ p.add_argument(
 )
 p.add_argument("--checkpoint-every", type=int, default=0, help="save a whole-run checkpoint every N steps (0: never)")
 p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in OUT/checkpoints")
+p.add_argument("--lora-rank", type=int, default=0, help="LoRA rank (0: train all weights); try --lr 2e-4")
 p.add_argument("--export-hf", default=None, help="write the final policy here as an HF model directory")
 p.add_argument("--metrics-port", type=int, default=None, help="Prometheus port of Ray's metrics agent (local Ray)")
 p.add_argument("--address", default=None, help="Ray cluster address (default: start a local one)")
@@ -80,7 +81,8 @@ pl = placement.create(plan)
 temperature = 1.0  # the trainer divides its logits by the rollout temperature, as the engine did
 trainer_cfg = actors.TrainerGroupConfig(
     model_path=model_path, num_ranks=n, temperature=temperature, optimizer={"lr": args.lr},
-    backend={"micro_batch_size": 32, "autocast": "bfloat16"},
+    backend={"micro_batch_size": 32, "autocast": "bfloat16",
+             "lora": {"rank": args.lora_rank, "alpha": 2 * args.lora_rank} if args.lora_rank else None},
 )  # fmt: skip
 trainer = actors.TrainerGroup.options(name="miles_ray/trainer").remote(trainer_cfg, pl)
 engine_cfg = EmbeddedEngineConfig(model_path=model_path, max_seq_len=512)  # ~100-token prompts + 24 new tokens

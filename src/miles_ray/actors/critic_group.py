@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import ray
 import torch
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from miles_ray.actors.ranks import RankWorker, from_masked_lists, start_ranks
-from miles_ray.backends.base import OptimizerConfig, TorchBackendConfig
+from miles_ray.backends.base import OptimizerConfig, TorchBackendConfig, refuse_lora
 from miles_ray.config import StrictConfig
 from miles_ray.placement.groups import Placement
 
@@ -42,6 +42,11 @@ class CriticGroupConfig(StrictConfig):
         0.2, gt=0.0, le=100.0, description="PPO value clipping around the rollout-time values; None disables."
     )
     seed: int = Field(0, description="torch seed on every rank.")
+
+    @field_validator("backend")
+    @classmethod
+    def _full_weights(cls, value: TorchBackendConfig) -> TorchBackendConfig:
+        return refuse_lora(value, "CriticGroupConfig")
 
 
 def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:

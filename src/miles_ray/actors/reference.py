@@ -15,10 +15,10 @@ Usage::
 from __future__ import annotations
 
 import ray
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from miles_ray.actors.ranks import RankWorker, start_ranks
-from miles_ray.backends.base import TorchBackendConfig
+from miles_ray.backends.base import TorchBackendConfig, refuse_lora
 from miles_ray.config import StrictConfig
 from miles_ray.placement.groups import Placement
 
@@ -32,6 +32,11 @@ class ReferenceGroupConfig(StrictConfig):
         default_factory=TorchBackendConfig, description="dtype, autocast, micro-batch size, sharding."
     )
     seed: int = Field(0, description="torch seed on every rank.")
+
+    @field_validator("backend")
+    @classmethod
+    def _full_weights(cls, value: TorchBackendConfig) -> TorchBackendConfig:
+        return refuse_lora(value, "ReferenceGroupConfig")
 
 
 class ReferenceWorker(RankWorker):

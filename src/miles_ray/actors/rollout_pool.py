@@ -79,17 +79,22 @@ class WeightReceiver:
     """The engine side of a weight sync, shared by every engine actor.
 
     A subclass applies each unpacked bucket with ``_apply`` (called on a worker thread) and wraps the whole
-    load in ``_load(run, version, verify)``, which runs ``run`` and returns ``{"engine_id", "seconds",
+    load in ``_load(run, plan, version, verify, in_flight)``, which runs ``run`` and returns ``{"engine_id", "seconds",
     "checksum"}``.
     """
 
     engine_id: int
     _sync_group = None
+    accepts_adapters = True  # takes LoRA-only syncs (SyncPlan.adapter)
+
+    async def takes_adapters(self) -> bool:
+        """Whether this engine can load an adapter-only sync (the broadcaster asks before the first sync)."""
+        return self.accepts_adapters
 
     def _apply(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
         raise NotImplementedError
 
-    async def _load(self, run, version: int, verify: bool, in_flight: InFlight) -> dict:
+    async def _load(self, run, plan: SyncPlan, version: int, verify: bool, in_flight: InFlight) -> dict:
         raise NotImplementedError
 
     async def join_sync_group(self, host: str, port: int, rank: int, world_size: int, backend: str) -> None:
@@ -118,7 +123,7 @@ class WeightReceiver:
                 self._sync_group.broadcast(flat)
                 self._apply(unpack(bucket, flat))
 
-        return await self._load(run, version, verify, in_flight)
+        return await self._load(run, plan, version, verify, in_flight)
 
     async def load_buckets(
         self,
@@ -140,7 +145,7 @@ class WeightReceiver:
             for bucket, array in zip(plan.buckets, arrays):
                 self._apply(unpack(bucket, as_tensor(array, bucket.dtype)))
 
-        return await self._load(run, version, verify, in_flight)
+        return await self._load(run, plan, version, verify, in_flight)
 
 
 class EngineActor(WeightReceiver):
@@ -254,7 +259,7 @@ class EngineActor(WeightReceiver):
     def _apply(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
         self.engine.update_weights(named_tensors)
 
-    async def _load(self, run, version: int, verify: bool, in_flight: InFlight) -> dict:
+    async def _load(self, run, plan: SyncPlan, version: int, verify: bool, in_flight: InFlight) -> dict:
         # no decode step may see half-updated weights: the engine is paused around the load. Requests in
         # flight: `continue` keeps them in their slots and they go on with the new weights; `finish` admits no
         # new request and waits until the running ones are done on the old weights; `abort_resume` aborts them
@@ -273,6 +278,8 @@ class EngineActor(WeightReceiver):
         drained = time.perf_counter()
         await self.loop.pause("abort" if in_flight == "abort_resume" else "in_place")
         try:
+            if plan.adapter is not None:  # a LoRA sync: the adapters exist from the first one on
+                self.engine.install_adapter(plan.adapter)
             await asyncio.to_thread(run)
             self.engine.set_weight_version(version)
         finally:
@@ -282,7 +289,9 @@ class EngineActor(WeightReceiver):
                 self.loop.resume()
         seconds = time.perf_counter() - drained
         # hashing here, right after loading, runs in parallel with the trainer's hash of what it sent
-        checksum = await asyncio.to_thread(self.engine.weights_checksum) if verify else None
+        # an adapter sync is verified on the adapter tensors; the base weights never change
+        names = plan.names if plan.adapter is not None else None
+        checksum = await asyncio.to_thread(self.engine.weights_checksum, names) if verify else None
         return {"engine_id": self.engine_id, "seconds": seconds, "checksum": checksum, "drain_seconds": drained - start}
 
 

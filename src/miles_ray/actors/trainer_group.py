@@ -252,17 +252,23 @@ class TrainerWorker(RankWorker):
         self.hooks.call("after_save", self.ctx, path)
 
     def export_hf(self, path: str, dtype: str) -> None:
-        """Collective: gather the full weights; rank 0 writes ``model.safetensors`` and the HF config/tokenizer."""
-        from miles_ray.models.export import write_hf_dir
-        from miles_ray.sync.plan import unpack
+        """Collective: gather the full weights; rank 0 writes ``model.safetensors`` and the HF config/tokenizer.
 
-        plan = self.backend.sync_plan(getattr(torch, dtype), 1 << 30)
-        tensors = {}
-        for bucket, flat in self._gather(plan):
-            if self.rank == 0:
-                tensors.update((name, t.clone()) for name, t in unpack(bucket, flat))
-        if self.rank == 0:
-            write_hf_dir(self.config.model_path, path, tensors)
+        A LoRA policy is written merged, and its adapter in peft's format under ``adapter/``.
+        """
+        from miles_ray.backends.lora import write_peft_adapter
+        from miles_ray.models.export import write_hf_dir
+
+        weights, adapters = self.backend.hf_state(getattr(torch, dtype))
+        if self.rank != 0:
+            return
+        c = self.config
+        also = (
+            None
+            if adapters is None
+            else lambda tmp: write_peft_adapter(tmp / "adapter", c.backend.lora, c.model_path, adapters)
+        )
+        write_hf_dir(c.model_path, path, weights, also)
 
     def load(self, path: str) -> None:
         """Collective checkpoint load."""
@@ -358,7 +364,8 @@ class TrainerGroup:
     def export_hf(self, path: str, dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16") -> str:
         """Write the current policy as an HF model directory (``model.safetensors`` + config + tokenizer).
 
-        ``AutoModelForCausalLM.from_pretrained(path)`` loads it, as do vLLM and SGLang. Returns ``path``.
+        ``AutoModelForCausalLM.from_pretrained(path)`` loads it, as do vLLM and SGLang. A LoRA policy is written
+        merged, and its adapter alone under ``path/adapter`` (``peft.PeftModel.from_pretrained``). Returns ``path``.
         """
         ray.get([w.export_hf.remote(path, dtype) for w in self._workers])
         return path

@@ -20,6 +20,7 @@ import torch
 from miles_ray.actors.rollout_pool import WeightReceiver
 from miles_ray.engines.base import GenerateOutput, GenerateRequest
 from miles_ray.engines.vllm import VLLMEngineConfig, VLLMServer
+from miles_ray.sync.plan import SyncPlan
 
 
 class VLLMEngineActor(WeightReceiver):
@@ -108,9 +109,16 @@ class VLLMEngineActor(WeightReceiver):
     def _apply(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
         self._pending.extend(named_tensors)  # views into this sync's bucket buffers, alive until the load ends
 
-    async def _load(self, run, version: int, verify: bool, in_flight: str) -> dict:
+    accepts_adapters = False  # vLLM's LoRA serving (--enable-lora, load_lora_adapter) is not wired here
+
+    async def _load(self, run, plan: SyncPlan, version: int, verify: bool, in_flight: str) -> dict:
         if in_flight != "continue":  # vLLM's pause modes map to the others, untested here: refuse rather than guess
             raise ValueError(f"vLLM engines support in_flight='continue' only, got {in_flight!r}")
+        if plan.adapter is not None:
+            raise ValueError(
+                "vLLM engines take full weights only: the trainer has backend.lora set (adapter-only sync); "
+                "use embedded engines or train without LoRA"
+            )
         await self._started()
         start = time.perf_counter()
         self._pending = []

@@ -6,6 +6,9 @@ Transports (one per module in ``miles_ray.sync``):
 - ``shared_memory``: rank 0 puts each bucket into the Ray object store as a NumPy byte array; engines
   on the same node map it zero-copy. For colocated placement.
 
+A LoRA trainer (``TorchBackendConfig.lora``) plans adapter tensors only (``SyncPlan.adapter``): the engines add
+the adapters on the first sync and from then on receive a few MB per sync instead of the whole model.
+
 After a sync every engine reports its weight version and a checksum of the weights it holds; the
 broadcaster compares them with the trainer's version and the checksum of what was sent, and raises
 ``WeightSyncError`` on any mismatch, so a silent divergence can never reach the next rollout.
@@ -66,6 +69,13 @@ class WeightBroadcaster:
         self.config = config
         self._workers, self._engines = list(trainer_workers), list(engines)
         self._plan = ray.get(self._workers[0].sync_plan.remote(config.engine_dtype, config.bucket_bytes))
+        if self._plan.adapter is not None:
+            refusing = [i for i, ok in enumerate(ray.get([e.takes_adapters.remote() for e in engines])) if not ok]
+            if refusing:
+                raise ValueError(
+                    f"engines {refusing} cannot load LoRA adapters (the trainer has backend.lora set, so syncs send "
+                    "the adapters only): use embedded engines or train without LoRA"
+                )
         self._group_ready = False
         self._last: dict = {}
 

@@ -7,6 +7,7 @@ from typing import Literal, Protocol
 import torch
 from pydantic import Field, model_validator
 
+from miles_ray.backends.lora import LoRAConfig
 from miles_ray.config import StrictConfig
 from miles_ray.sync.plan import SyncPlan
 from miles_ray.types import RolloutBatch
@@ -40,6 +41,26 @@ class TorchBackendConfig(StrictConfig):
     micro_batch_size: int = Field(8, ge=1, le=4096, description="Samples per forward/backward on one rank.")
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
     num_threads: int = Field(1, ge=1, le=256, description="torch intra-op threads per rank.")
+    lora: LoRAConfig | None = Field(
+        None,
+        description="Train LoRA adapters (peft) on frozen base weights; weight sync then sends the adapters only. "
+        "Policy only. None trains all weights.",
+    )
+
+
+def refuse_lora(backend: TorchBackendConfig, owner: str) -> TorchBackendConfig:
+    """Field check for configs whose model trains (or holds) full weights: ``backend.lora`` must be None.
+
+    Raises:
+        ValueError: naming ``owner`` if ``backend.lora`` is set.
+
+    """
+    if backend.lora is not None:
+        raise ValueError(
+            f"{owner}.backend.lora must be None: LoRA applies to the policy only (TrainerGroupConfig.backend.lora); "
+            "a LoRA policy's KL reference is its base weights with the adapters off, no ReferenceGroup needed"
+        )
+    return backend
 
 
 class TrainBackend(Protocol):

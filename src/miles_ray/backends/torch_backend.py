@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from miles_ray.algo import importance_weights, kl_estimate, masked_aggregate
 from miles_ray.backends.base import OptimizerConfig, TorchBackendConfig
+from miles_ray.backends.lora import adapter_tensors, base_tensors, inject_lora, merged_weight, set_adapters_enabled
 from miles_ray.backends.objectives import (
     CustomLossConfig,
     GSPOLossConfig,
@@ -59,10 +60,15 @@ def load_causal_lm(model_path: str, config: TorchBackendConfig) -> torch.nn.Modu
 
 
 class PolicyRank(TorchRank):
-    """One rank of an HF causal LM that computes token logprobs; frozen (the reference) when ``optim`` is None."""
+    """One rank of an HF causal LM that computes token logprobs; frozen (the reference) when ``optim`` is None.
+
+    With ``config.lora`` (trained ranks only) peft adapters are injected before wrapping and only they train.
+    """
 
     def __init__(self, config: TorchBackendConfig, optim: OptimizerConfig | None, model_path: str):
-        super().__init__(config, optim, load_causal_lm(model_path, config))
+        module = load_causal_lm(model_path, config)
+        self.adapter = inject_lora(module, config.lora) if config.lora is not None and optim is not None else None
+        super().__init__(config, optim, module)
 
     def forward_logprobs(self, input_ids, attention_mask, response_mask, temperature):
         """``[B, T-1]`` next-token logprobs and entropies, computed only from the first response position on.
@@ -96,12 +102,34 @@ class PolicyRank(TorchRank):
         return torch.cat(parts)
 
 
+class _BaseWeightsReference:
+    """A LoRA policy's frozen reference: the same model with its adapters off (the base weights, no second copy)."""
+
+    def __init__(self, policy: PolicyRank):
+        self.policy = policy
+
+    def _off(self, fn, *args):
+        set_adapters_enabled(self.policy.hf_model, False)
+        try:
+            return fn(*args)
+        finally:
+            set_adapters_enabled(self.policy.hf_model, True)
+
+    def forward_logprobs(self, input_ids, attention_mask, response_mask, temperature):
+        """As ``PolicyRank.forward_logprobs``, on the base weights."""
+        return self._off(self.policy.forward_logprobs, input_ids, attention_mask, response_mask, temperature)
+
+    def compute_logprobs(self, batch: RolloutBatch, temperature: float) -> torch.Tensor:
+        """As ``PolicyRank.compute_logprobs``, on the base weights."""
+        return self._off(self.policy.compute_logprobs, batch, temperature)
+
+
 class TorchBackend(PolicyRank):
     """One data-parallel rank of the policy trained with FSDP2 or DDP.
 
     With ``kl`` set and ``local_reference``, the frozen reference (the initial weights) is loaded on this
-    rank, placed and sharded like the policy; otherwise reference logprobs come in with each call (from a
-    ``ReferenceGroup`` actor).
+    rank, placed and sharded like the policy (a LoRA policy uses its own base weights, adapters off);
+    otherwise reference logprobs come in with each call (from a ``ReferenceGroup`` actor).
     """
 
     def __init__(
@@ -121,7 +149,9 @@ class TorchBackend(PolicyRank):
         if correction is not None and loss.kind != "ppo_clip":
             raise ValueError(f"mismatch_correction weights tokens; loss kind {loss.kind!r} has a sequence ratio")
         self.correction, self.entropy_coef, self.kl = correction, entropy_coef, kl
-        self.reference = PolicyRank(config, None, model_path) if kl is not None and local_reference else None
+        self.reference = None
+        if kl is not None and local_reference:
+            self.reference = _BaseWeightsReference(self) if self.adapter else PolicyRank(config, None, model_path)
 
     def reference_logprobs(self, batch: RolloutBatch, temperature: float) -> torch.Tensor:
         """``[B, T-1]`` logprobs under the on-rank reference model."""
@@ -181,6 +211,15 @@ class TorchBackend(PolicyRank):
             self.grad_sync(i == starts[-1])  # reduce gradients once, after the last micro-batch
             mask = mask_all[sl].to(self.device)
             tokens = float(mask.sum())
+            ref_lp = None
+            if self.kl is not None and self.kl.mode == "loss":
+                if ref_logprobs is not None:
+                    ref_lp = ref_logprobs[sl].to(self.device)
+                else:  # before the policy forward: a LoRA reference switches the adapters off and on again
+                    with torch.no_grad():
+                        ref_lp, _ = self.reference.forward_logprobs(
+                            batch.input_ids[sl], batch.attention_mask[sl], mask_all[sl], temperature
+                        )
             logprobs, entropy = self.forward_logprobs(
                 batch.input_ids[sl], batch.attention_mask[sl], mask_all[sl], temperature
             )
@@ -193,14 +232,7 @@ class TorchBackend(PolicyRank):
                 extra["token_weights"] = weights
                 sums["clipped_tokens"] += wm["weight_clipped_frac"] * tokens
             loss, m = self.loss_fn(logprobs, old, adv, mask, **self.loss_kwargs, **extra)
-            if self.kl is not None and self.kl.mode == "loss":
-                if ref_logprobs is not None:
-                    ref_lp = ref_logprobs[sl].to(self.device)
-                else:
-                    with torch.no_grad():
-                        ref_lp, _ = self.reference.forward_logprobs(
-                            batch.input_ids[sl], batch.attention_mask[sl], mask_all[sl], temperature
-                        )
+            if ref_lp is not None:
                 kl_tokens = kl_estimate(logprobs, ref_lp, self.kl.estimator)
                 mode = "token_mean" if per_token else "seq_mean_token_mean"  # same units as the policy loss
                 loss = loss + self.kl.coef * masked_aggregate(kl_tokens, mask, mode)
@@ -245,11 +277,39 @@ class TorchBackend(PolicyRank):
 
     # --- weight sync ----------------------------------------------------------------------------
     def _named_params(self) -> list[tuple[str, torch.Tensor]]:
-        return list(self.hf_model.named_parameters())
+        """What a weight sync sends: every parameter, or only the adapters of a LoRA policy (engine names)."""
+        return adapter_tensors(self.hf_model) if self.adapter else list(self.hf_model.named_parameters())
 
     def sync_plan(self, dtype: torch.dtype, bucket_bytes: int) -> SyncPlan:
-        """Bucket plan over the HF-named parameters (tied ones once), cast to ``dtype``."""
-        return plan_buckets([(n, tuple(p.shape), dtype) for n, p in self._named_params()], bucket_bytes)
+        """Bucket plan over the HF-named parameters (tied ones once), cast to ``dtype``; LoRA: the adapters only."""
+        specs = [(n, tuple(p.shape), dtype) for n, p in self._named_params()]
+        return plan_buckets(specs, bucket_bytes, adapter=self.adapter)
+
+    @torch.no_grad()
+    def hf_state(self, dtype: torch.dtype) -> tuple[dict[str, torch.Tensor] | None, dict[str, torch.Tensor] | None]:
+        """Collective: the full weights under HF names on rank 0, LoRA adapters merged in, and the adapters.
+
+        Returns:
+            ``(weights, adapters)`` on rank 0 (``adapters`` None without LoRA), ``(None, None)`` elsewhere.
+
+        """
+
+        def full(p: torch.Tensor) -> torch.Tensor:
+            return (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()  # FSDP2 DTensor: all-gather
+
+        lora = {n: full(p) for n, p in adapter_tensors(self.hf_model)} if self.adapter else {}
+        weights = {}
+        for name, p in base_tensors(self.hf_model) if self.adapter else self.hf_model.named_parameters():
+            t = full(p)
+            prefix = name.removesuffix(".weight")
+            if f"{prefix}.lora_A.weight" in lora:
+                t = merged_weight(t, lora[f"{prefix}.lora_A.weight"], lora[f"{prefix}.lora_B.weight"],
+                                  self.adapter.scaling)  # fmt: skip
+            if self.rank == 0:
+                weights[name] = t.to("cpu", dtype).clone()
+        if self.rank != 0:
+            return None, None
+        return weights, ({n: t.to("cpu", dtype).clone() for n, t in lora.items()} if self.adapter else None)
 
     @torch.no_grad()
     def gather_bucket(self, bucket: Bucket, dtype: torch.dtype) -> torch.Tensor | None:

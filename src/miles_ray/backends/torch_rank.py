@@ -28,7 +28,10 @@ def param_dtype(config: TorchBackendConfig) -> torch.dtype:
 
 
 class TorchRank:
-    """One data-parallel rank of ``module``, trained with AdamW (or frozen when ``optim`` is None)."""
+    """One data-parallel rank of ``module``, trained with AdamW (or frozen when ``optim`` is None).
+
+    AdamW gets the parameters that require grad (all, or only the LoRA adapters of a frozen base).
+    """
 
     def __init__(self, config: TorchBackendConfig, optim: OptimizerConfig | None, module: torch.nn.Module):
         self.config, self.optim_config = config, optim
@@ -37,6 +40,8 @@ class TorchRank:
         self.device = rank_device()
         if config.gradient_checkpointing and optim is not None:
             module.gradient_checkpointing_enable()
+            if not all(p.requires_grad for p in module.parameters()):  # frozen embeddings (LoRA): keep grads flowing
+                module.enable_input_require_grads()
         self.hf_model = module.to(self.device)
         self.optimizer = None
         if optim is None:  # frozen: no gradients; DDP refuses a module without trainable parameters
@@ -50,7 +55,7 @@ class TorchRank:
 
     def param_groups(self) -> list[dict]:
         """AdamW parameter groups (one, at the config's lr; subclasses may give some parameters their own lr)."""
-        return [{"params": list(self.model.parameters())}]
+        return [{"params": [p for p in self.model.parameters() if p.requires_grad]}]
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """Wrap ``model`` for data parallelism as the config says (FSDP2 shards it over the ranks)."""

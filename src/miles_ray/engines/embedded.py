@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import collections
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -36,6 +36,7 @@ from pydantic import Field
 from miles_ray.config import StrictConfig
 from miles_ray.engines.base import Completion, GenerateOutput, GenerateRequest, SamplingParams
 from miles_ray.sync.checksum import named_tensors_checksum
+from miles_ray.sync.plan import AdapterSpec
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -119,6 +120,7 @@ class EmbeddedEngine:
         self._rng = torch.Generator().manual_seed(config.seed)
         self._version = 0
         self._params = dict(self.model.named_parameters())
+        self.adapter: AdapterSpec | None = None  # LoRA adapters the model holds (install_adapter)
         self._lock = threading.RLock()  # model, cache and running rows: one step or one weight update at a time
         self._mu = threading.Lock()  # waiting queue and abort marks, so submit/abort never wait for a step
         self._waiting: collections.deque[_Request] = collections.deque()
@@ -156,10 +158,36 @@ class EmbeddedEngine:
         """The version of the loaded weights."""
         return self._version
 
-    def weights_checksum(self) -> str:
-        """Checksum over the HF-named parameters (tied weights counted once)."""
+    def weights_checksum(self, names: Collection[str] | None = None) -> str:
+        """Checksum over the HF-named parameters (tied weights counted once), or only those in ``names``."""
         with self._lock:
-            return named_tensors_checksum(self.model.named_parameters())
+            params = self.model.named_parameters()
+            if names is not None:
+                wanted = set(names)
+                params = ((n, p) for n, p in params if n in wanted)
+            return named_tensors_checksum(params)
+
+    def install_adapter(self, spec: AdapterSpec) -> bool:
+        """Give the model LoRA adapters of ``spec`` (zero, so outputs are unchanged) before the first adapter sync.
+
+        Returns:
+            True if they were added now, False if the engine already holds this spec.
+
+        Raises:
+            ValueError: if the engine holds a different adapter spec (rank, scaling and targets are fixed per run).
+
+        """
+        from miles_ray.models.lora import add_lora
+
+        with self._lock:
+            if self.adapter == spec:
+                return False
+            if self.adapter is not None:
+                raise ValueError(f"engine holds adapter {self.adapter}; a sync sent {spec}: one adapter spec per run")
+            add_lora(self.model, spec)
+            self.adapter = spec
+            self._params = dict(self.model.named_parameters())
+            return True
 
     def state_dict_names(self) -> list[str]:
         """HF names of the parameters this engine accepts."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -11,11 +12,14 @@ import torch
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".index.json")
 
 
-def write_hf_dir(base_model_path: str, out: str, tensors: dict[str, torch.Tensor]) -> Path:
+def write_hf_dir(
+    base_model_path: str, out: str, tensors: dict[str, torch.Tensor], also: Callable[[Path], None] | None = None
+) -> Path:
     """Write ``out/model.safetensors`` from ``tensors`` and copy every non-weight file of ``base_model_path``.
 
-    The copied files are the config, tokenizer and generation config. Everything goes into ``out.tmp`` first,
-    renamed to ``out`` at the end, so ``out`` is never half-written.
+    The copied files are the config, tokenizer and generation config; ``also(tmp_dir)`` may write more (a LoRA
+    adapter). Everything goes into ``out.tmp`` first, renamed to ``out`` at the end, so ``out`` is never
+    half-written.
 
     Raises:
         FileExistsError: if ``out`` exists.
@@ -33,5 +37,7 @@ def write_hf_dir(base_model_path: str, out: str, tensors: dict[str, torch.Tensor
         if f.is_file() and not f.name.endswith(_WEIGHT_SUFFIXES):
             shutil.copy2(f, tmp / f.name)
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"), {"format": "pt"})
+    if also is not None:
+        also(tmp)
     tmp.rename(out_path)
     return out_path

@@ -50,10 +50,29 @@ class Bucket:
 
 
 @dataclass(frozen=True)
+class AdapterSpec:
+    """The LoRA adapter a sync carries instead of full weights: engines add it to their model before loading.
+
+    ``target_modules`` are the linear layers' own names (``q_proj``, ...); each gets ``<name>.lora_A.weight``
+    ``[rank, in]`` and ``<name>.lora_B.weight`` ``[out, rank]`` and computes ``base(x) + scaling * B(A(x))``.
+    """
+
+    rank: int
+    scaling: float
+    target_modules: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class SyncPlan:
-    """The buckets of one weight sync, in send order."""
+    """The buckets of one weight sync, in send order; ``adapter`` set when only LoRA tensors are sent."""
 
     buckets: tuple[Bucket, ...]
+    adapter: AdapterSpec | None = None
+
+    @property
+    def names(self) -> list[str]:
+        """Names of every tensor the sync sends."""
+        return [m.name for b in self.buckets for m in b.tensors]
 
     @property
     def total_bytes(self) -> int:
@@ -61,7 +80,9 @@ class SyncPlan:
         return sum(b.nbytes for b in self.buckets)
 
 
-def plan_buckets(specs: list[tuple[str, tuple[int, ...], torch.dtype]], bucket_bytes: int) -> SyncPlan:
+def plan_buckets(
+    specs: list[tuple[str, tuple[int, ...], torch.dtype]], bucket_bytes: int, adapter: AdapterSpec | None = None
+) -> SyncPlan:
     """Group tensors into buckets of one dtype and at most ``bucket_bytes`` (order preserved per dtype).
 
     Raises:
@@ -94,7 +115,7 @@ def plan_buckets(specs: list[tuple[str, tuple[int, ...], torch.dtype]], bucket_b
         sizes[dtype] = offset + numel
     for dtype in list(open_):
         close(dtype)
-    return SyncPlan(tuple(buckets))
+    return SyncPlan(tuple(buckets), adapter)
 
 
 def pack(bucket: Bucket, tensors: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -17,7 +17,7 @@ import torch
 from pydantic import Field, field_validator
 
 from miles_ray.actors.ranks import RankWorker, from_masked_lists, start_ranks
-from miles_ray.backends.base import OptimizerConfig, TorchBackendConfig, refuse_lora
+from miles_ray.backends.base import OptimizerConfig, TorchBackendConfig, policy_only
 from miles_ray.config import StrictConfig
 from miles_ray.placement.groups import Placement
 
@@ -45,8 +45,8 @@ class CriticGroupConfig(StrictConfig):
 
     @field_validator("backend")
     @classmethod
-    def _full_weights(cls, value: TorchBackendConfig) -> TorchBackendConfig:
-        return refuse_lora(value, "CriticGroupConfig")
+    def _policy_only(cls, value: TorchBackendConfig) -> TorchBackendConfig:
+        return policy_only(value, "CriticGroupConfig")
 
 
 def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:

@@ -18,7 +18,7 @@ import ray
 from pydantic import Field, field_validator
 
 from miles_ray.actors.ranks import RankWorker, start_ranks
-from miles_ray.backends.base import TorchBackendConfig, refuse_lora
+from miles_ray.backends.base import TorchBackendConfig, policy_only
 from miles_ray.config import StrictConfig
 from miles_ray.placement.groups import Placement
 
@@ -35,8 +35,8 @@ class ReferenceGroupConfig(StrictConfig):
 
     @field_validator("backend")
     @classmethod
-    def _full_weights(cls, value: TorchBackendConfig) -> TorchBackendConfig:
-        return refuse_lora(value, "ReferenceGroupConfig")
+    def _policy_only(cls, value: TorchBackendConfig) -> TorchBackendConfig:
+        return policy_only(value, "ReferenceGroupConfig")
 
 
 class ReferenceWorker(RankWorker):

@@ -9,6 +9,7 @@ from pydantic import Field, model_validator
 
 from miles_ray.backends.lora import LoRAConfig
 from miles_ray.config import StrictConfig
+from miles_ray.models.quant import WeightFormatConfig
 from miles_ray.sync.plan import SyncPlan
 from miles_ray.types import RolloutBatch
 
@@ -46,19 +47,35 @@ class TorchBackendConfig(StrictConfig):
         description="Train LoRA adapters (peft) on frozen base weights; weight sync then sends the adapters only. "
         "Policy only. None trains all weights.",
     )
+    weight_format: WeightFormatConfig | None = Field(
+        None,
+        description="Low-precision recipe (fp8 / int4): the forward goes through the rollout engines' weight format "
+        "with a straight-through gradient (QAT); give the engines the same config. Policy only. None: plain weights.",
+    )
+
+    @model_validator(mode="after")
+    def _check_lora_and_format(self) -> TorchBackendConfig:
+        if self.lora is not None and self.weight_format is not None:
+            raise ValueError("lora and weight_format cannot be combined yet: set one of them")
+        return self
 
 
-def refuse_lora(backend: TorchBackendConfig, owner: str) -> TorchBackendConfig:
-    """Field check for configs whose model trains (or holds) full weights: ``backend.lora`` must be None.
+def policy_only(backend: TorchBackendConfig, owner: str) -> TorchBackendConfig:
+    """Field check for the critic's and the reference's backend: ``lora`` and ``weight_format`` must be None.
 
     Raises:
-        ValueError: naming ``owner`` if ``backend.lora`` is set.
+        ValueError: naming ``owner`` and the field if either is set.
 
     """
     if backend.lora is not None:
         raise ValueError(
             f"{owner}.backend.lora must be None: LoRA applies to the policy only (TrainerGroupConfig.backend.lora); "
             "a LoRA policy's KL reference is its base weights with the adapters off, no ReferenceGroup needed"
+        )
+    if backend.weight_format is not None:
+        raise ValueError(
+            f"{owner}.backend.weight_format must be None: the low-precision recipe applies to the policy only "
+            "(TrainerGroupConfig.backend.weight_format and the engines)"
         )
     return backend
 

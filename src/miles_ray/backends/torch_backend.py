@@ -27,6 +27,7 @@ from miles_ray.backends.objectives import (
     resolve_loss,
 )
 from miles_ray.backends.torch_rank import TorchRank, param_dtype
+from miles_ray.models.quant import apply_weight_format
 from miles_ray.sync.plan import Bucket, SyncPlan, plan_buckets
 from miles_ray.types import RolloutBatch
 
@@ -62,12 +63,15 @@ def load_causal_lm(model_path: str, config: TorchBackendConfig) -> torch.nn.Modu
 class PolicyRank(TorchRank):
     """One rank of an HF causal LM that computes token logprobs; frozen (the reference) when ``optim`` is None.
 
-    With ``config.lora`` (trained ranks only) peft adapters are injected before wrapping and only they train.
+    With ``config.lora`` (trained ranks only) peft adapters are injected before wrapping and only they train. With
+    ``config.weight_format`` the linear layers compute through the rollout format (fake-quant, straight-through).
     """
 
     def __init__(self, config: TorchBackendConfig, optim: OptimizerConfig | None, model_path: str):
         module = load_causal_lm(model_path, config)
         self.adapter = inject_lora(module, config.lora) if config.lora is not None and optim is not None else None
+        if config.weight_format is not None:  # every forward sees the engines' rounded weights
+            apply_weight_format(module, config.weight_format, "trainer")
         super().__init__(config, optim, module)
 
     def forward_logprobs(self, input_ids, attention_mask, response_mask, temperature):

@@ -35,6 +35,7 @@ from pydantic import Field
 
 from miles_ray.config import StrictConfig
 from miles_ray.engines.base import Completion, GenerateOutput, GenerateRequest, SamplingParams
+from miles_ray.models.quant import RoundedLinear, WeightFormatConfig, apply_weight_format
 from miles_ray.sync.checksum import named_tensors_checksum
 from miles_ray.sync.plan import AdapterSpec
 
@@ -58,6 +59,11 @@ class EmbeddedEngineConfig(StrictConfig):
     prefix_sharing: bool = Field(True, description="Prefill a prompt once for its n samples and copy its KV.")
     num_threads: int = Field(1, ge=1, le=256, description="torch intra-op threads for this engine.")
     seed: int = Field(0, description="Seed of the engine RNG used by requests without their own seed.")
+    weight_format: WeightFormatConfig | None = Field(
+        None,
+        description="Low-precision recipe (fp8 / int4): linear layers but the LM head compute with weights rounded "
+        "through the format (emulated), re-rounded after every weight load; give the trainer the same config.",
+    )
     tune_malloc: bool = Field(
         True,
         description="glibc only: keep freed memory in this process's heap (mallopt) so each step's vocab-sized "
@@ -106,6 +112,10 @@ class EmbeddedEngine:
             _keep_freed_memory()
         dtype = _DTYPES[config.dtype]
         self.model = build_engine_model(config.model_path, dtype)
+        self._rounded: dict[str, RoundedLinear] = {}  # weight name -> layer computing with its rounded copy
+        if config.weight_format is not None:
+            for name in apply_weight_format(self.model, config.weight_format, "engine"):
+                self._rounded[f"{name}.weight"] = self.model.get_submodule(name)
         self.tokenizer = AutoTokenizer.from_pretrained(config.model_path)
         self.eos_token_id = self.tokenizer.eos_token_id
         self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
@@ -149,6 +159,8 @@ class EmbeddedEngine:
         with self._lock, torch.no_grad():
             for name, t in named_tensors:
                 self._params[name].copy_(t)
+                if name in self._rounded:
+                    self._rounded[name].refresh()
 
     def set_weight_version(self, version: int) -> None:
         """Record the version of the loaded weights."""
@@ -179,6 +191,8 @@ class EmbeddedEngine:
         """
         from miles_ray.models.lora import add_lora
 
+        if self.config.weight_format is not None:
+            raise ValueError("LoRA adapters and weight_format cannot be combined yet (engine config)")
         with self._lock:
             if self.adapter == spec:
                 return False

@@ -15,6 +15,9 @@ Usage::
     q, scale_inv = fp8_blockwise(w)               # w: [out, in]
     w_hat = fp8_dequantize(q, scale_inv, 128)      # [out, in]
     w_qat = fake_quant(w, "int4")                  # forward int4 values, gradient passes straight through
+
+As a recipe: one ``WeightFormatConfig`` given to the engines (``EmbeddedEngineConfig.weight_format``) and the
+trainer (``TorchBackendConfig.weight_format``); ``apply_weight_format`` swaps the linear layers on each side.
 """
 
 from __future__ import annotations
@@ -22,6 +25,10 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
+from pydantic import Field
+
+from miles_ray.config import StrictConfig
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 INT4_MIN, INT4_MAX = -8, 7
@@ -95,6 +102,76 @@ def fake_quant(w: torch.Tensor, fmt: Format, block: int = 128) -> torch.Tensor:
     return w + (quant_dequant(w.detach(), fmt, block) - w).detach()
 
 
+class WeightFormatConfig(StrictConfig):
+    """A low-precision rollout recipe: the format engines hold linear weights in, and the trainer's view of it.
+
+    Pass the same object to ``EmbeddedEngineConfig.weight_format`` (engines compute with the rounded weights) and
+    ``TorchBackendConfig.weight_format`` (the trainer's forward, logprobs and training alike, goes through the
+    same rounding with a straight-through gradient to its full-precision weights: QAT). Pair it with
+    ``TrainerGroupConfig.mismatch_correction={"kind": "tis"}`` for what rounding differences remain.
+    """
+
+    format: Format = Field(..., description="fp8 (e4m3, one scale per block x block tile) or int4 (symmetric).")
+    block: int = Field(128, ge=8, le=4096, description="FP8 tile side / INT4 group size (inputs per scale).")
+
+
+def _targets(model: torch.nn.Module, skip: tuple[str, ...]) -> list[tuple[str, torch.nn.Linear]]:
+    return [
+        (name, m) for name, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear) and name.rsplit(".", 1)[-1] not in skip
+    ]  # fmt: skip
+
+
+class FakeQuantLinear(torch.nn.Linear):
+    """Trainer side: ``F.linear(x, fake_quant(weight))``; under FSDP2 ``weight`` is the gathered full weight here."""
+
+    weight_format: WeightFormatConfig
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Linear layer on the rounded weight; the gradient reaches the full-precision weight unchanged (STE)."""
+        fmt = self.weight_format
+        return F.linear(x, fake_quant(self.weight, fmt.format, fmt.block), self.bias)
+
+
+class RoundedLinear(torch.nn.Linear):
+    """Engine side: computes with ``rounded`` (the weight through the format), refreshed after each weight load.
+
+    ``weight`` keeps the bytes the trainer sent (so sync checksums still compare what was sent), ``rounded`` is a
+    non-persistent buffer: emulation holds both (no FP8/INT4 matmul kernels on CPU).
+    """
+
+    weight_format: WeightFormatConfig
+
+    def refresh(self) -> None:
+        """Round the current weight through the format into ``rounded``."""
+        fmt = self.weight_format
+        self.register_buffer("rounded", quant_dequant(self.weight.detach(), fmt.format, fmt.block), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Linear layer on the rounded weight."""
+        return F.linear(x, self.rounded, self.bias)
+
+
+def apply_weight_format(
+    model: torch.nn.Module, fmt: WeightFormatConfig, side: Literal["trainer", "engine"], skip=("lm_head",)
+) -> list[str]:
+    """Make every linear layer of ``model`` but the LM head compute through ``fmt`` (in place).
+
+    Returns:
+        The module names changed.
+
+    """
+    cls = FakeQuantLinear if side == "trainer" else RoundedLinear
+    names = []
+    for name, module in _targets(model, skip):
+        module.__class__ = cls
+        module.weight_format = fmt
+        if side == "engine":
+            module.refresh()
+        names.append(name)
+    return names
+
+
 def quantize_linears_(
     model: torch.nn.Module, fmt: Format, block: int = 128, skip: tuple[str, ...] = ("lm_head",)
 ) -> list[str]:
@@ -108,14 +185,17 @@ def quantize_linears_(
     """
     names = []
     with torch.no_grad():
-        for name, module in model.named_modules():
-            if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] not in skip:
-                module.weight.copy_(quant_dequant(module.weight, fmt, block))
-                names.append(f"{name}.weight")
+        for name, module in _targets(model, skip):
+            module.weight.copy_(quant_dequant(module.weight, fmt, block))
+            names.append(f"{name}.weight")
     return names
 
 
 __all__ = [
+    "FakeQuantLinear",
+    "RoundedLinear",
+    "WeightFormatConfig",
+    "apply_weight_format",
     "fake_quant",
     "fp8_blockwise",
     "fp8_dequantize",

@@ -22,5 +22,23 @@ def emit(name: str, rows: list[dict], out_dir: str = "benchmarks/results") -> Pa
     return path
 
 
+def arithmetic_prompts(tok, num: int) -> list[list[int]]:
+    """Token ids of ``num`` short chat-formatted arithmetic questions (the numerics benchmarks' prompts)."""
+    chats = [[{"role": "user", "content": f"What is {i} + {2 * i + 1}? Answer briefly."}] for i in range(num)]
+    return [tok(tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True))["input_ids"] for c in chats]
+
+
+def mismatch_stats(train, rollout) -> dict:
+    """Trainer vs rollout logprobs of the same tokens (1-D tensors): abs diff, k3 KL(rollout || train), TIS clips."""
+    d, log_ratio = (train - rollout).abs(), rollout - train
+    return {
+        "tokens": d.numel(),
+        "mean_abs_diff": d.mean().item(),
+        "max_abs_diff": d.max().item(),
+        "k3_kl": (log_ratio.exp() - 1 - log_ratio).mean().item(),
+        "tis_clip_frac_cap2": ((train - rollout).exp() > 2).double().mean().item(),
+    }
+
+
 def _fmt(v) -> str:
     return f"{v:.3g}" if isinstance(v, float) else str(v)

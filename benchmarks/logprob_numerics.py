@@ -12,7 +12,7 @@ against the fp64 recompute, which shows the fp32 noise floor the fp32/fp32 diffe
 import argparse
 
 import torch
-from common import emit
+from common import arithmetic_prompts, emit
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from miles_ray.engines.base import GenerateRequest, SamplingParams
@@ -30,13 +30,7 @@ torch.set_num_threads(1)
 path = str(model_dir(args.model))
 tok = AutoTokenizer.from_pretrained(path)
 hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-questions = [f"What is {i} + {2 * i + 1}? Answer briefly." for i in range(args.prompts)]
-prompts = [
-    tok(tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True))[
-        "input_ids"
-    ]
-    for q in questions
-]
+prompts = arithmetic_prompts(tok, args.prompts)
 
 
 hf64 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).eval()

@@ -15,13 +15,13 @@ import argparse
 import copy
 
 import torch
-from common import emit
+from common import arithmetic_prompts, emit, mismatch_stats
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from miles_ray.engines.base import GenerateRequest, SamplingParams
 from miles_ray.engines.embedded import EmbeddedEngine, EmbeddedEngineConfig
 from miles_ray.models.hub import MODELS, model_dir
-from miles_ray.models.quant import quantize_linears_
+from miles_ray.models.quant import WeightFormatConfig, apply_weight_format
 
 p = argparse.ArgumentParser(description=__doc__)
 p.add_argument("--model", choices=sorted(MODELS), default="smollm2-135m")
@@ -35,13 +35,7 @@ torch.set_num_threads(1)
 path = str(model_dir(args.model))
 tok = AutoTokenizer.from_pretrained(path)
 hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-questions = [f"What is {i} + {2 * i + 1}? Answer briefly." for i in range(args.prompts)]
-prompts = [
-    tok(tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True))[
-        "input_ids"
-    ]
-    for q in questions
-]
+prompts = arithmetic_prompts(tok, args.prompts)
 
 
 def recompute(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
@@ -53,29 +47,20 @@ def recompute(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
 
 rows = []
 for fmt in ("bf16", "fp8", "int4"):
-    engine = EmbeddedEngine(EmbeddedEngineConfig(model_path=path, dtype="bfloat16", max_seq_len=256))
-    if fmt != "bf16":
-        quantize_linears_(engine.model, fmt, args.block)
+    recipe = None if fmt == "bf16" else WeightFormatConfig(format=fmt, block=args.block)  # as users configure it
+    engine = EmbeddedEngine(
+        EmbeddedEngineConfig(model_path=path, dtype="bfloat16", max_seq_len=256, weight_format=recipe)
+    )
     params = SamplingParams(n=args.group_size, max_new_tokens=args.new_tokens, seed=0)
     outs = engine.generate([GenerateRequest(ids, params) for ids in prompts])
     pairs = [(ids, c) for ids, out in zip(prompts, outs) for c in out.completions]
     rollout = torch.cat([torch.tensor(c.logprobs, dtype=torch.float64) for _, c in pairs])
     views = {"plain": hf}
-    if fmt != "bf16":
+    if recipe is not None:  # the trainer side of the same recipe (TorchBackendConfig.weight_format)
         views["view"] = copy.deepcopy(hf)
-        quantize_linears_(views["view"], fmt, args.block)
+        apply_weight_format(views["view"], recipe, "trainer")
     for view, model in views.items():
         train = torch.cat([recompute(model, ids, c.token_ids) for ids, c in pairs])
-        d = (train - rollout).abs()
-        log_ratio = rollout - train
-        rows.append({
-            "recipe": fmt,
-            "trainer": view,
-            "tokens": d.numel(),
-            "mean_abs_diff": d.mean().item(),
-            "max_abs_diff": d.max().item(),
-            "k3_kl": (log_ratio.exp() - 1 - log_ratio).mean().item(),
-            "tis_clip_frac_cap2": ((train - rollout).exp() > 2).double().mean().item(),
-        })  # fmt: skip
+        rows.append({"recipe": fmt, "trainer": view, **mismatch_stats(train, rollout)})
 print(f"model {args.model}: engine bf16 weights in each format, trainer fp32 + bf16 autocast")
 emit("precision_mismatch", rows)

@@ -58,6 +58,9 @@ p.add_argument(
 p.add_argument("--checkpoint-every", type=int, default=0, help="save a whole-run checkpoint every N steps (0: never)")
 p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in OUT/checkpoints")
 p.add_argument("--lora-rank", type=int, default=0, help="LoRA rank (0: train all weights); try --lr 2e-4")
+p.add_argument("--routing-replay", action="store_true", help="MoE models (--model smollm2-moe): replay rollout routes")
+p.add_argument("--weight-format", choices=["fp8", "int4"], default=None,
+               help="low-precision recipe for engines and trainer (emulated on CPU), with TIS")  # fmt: skip
 p.add_argument("--export-hf", default=None, help="write the final policy here as an HF model directory")
 p.add_argument("--metrics-port", type=int, default=None, help="Prometheus port of Ray's metrics agent (local Ray)")
 p.add_argument("--address", default=None, help="Ray cluster address (default: start a local one)")
@@ -79,13 +82,17 @@ else:  # trainers and engines on bundles of their own; weights are broadcast ove
     plan, transport = placement.disaggregated(n, n, gpus_per_trainer=gpus, gpus_per_engine=gpus), "broadcast"
 pl = placement.create(plan)
 temperature = 1.0  # the trainer divides its logits by the rollout temperature, as the engine did
+recipe = {"format": args.weight_format} if args.weight_format else None  # one recipe for rollout and training
 trainer_cfg = actors.TrainerGroupConfig(
     model_path=model_path, num_ranks=n, temperature=temperature, optimizer={"lr": args.lr},
-    backend={"micro_batch_size": 32, "autocast": "bfloat16",
+    backend={"micro_batch_size": 32, "autocast": "bfloat16", "routing_replay": args.routing_replay,
+             "weight_format": recipe,
              "lora": {"rank": args.lora_rank, "alpha": 2 * args.lora_rank} if args.lora_rank else None},
+    mismatch_correction={"kind": "tis", "cap": 2.0} if recipe else None,
 )  # fmt: skip
 trainer = actors.TrainerGroup.options(name="miles_ray/trainer").remote(trainer_cfg, pl)
-engine_cfg = EmbeddedEngineConfig(model_path=model_path, max_seq_len=512)  # ~100-token prompts + 24 new tokens
+# ~100-token prompts + 24 new tokens
+engine_cfg = EmbeddedEngineConfig(model_path=model_path, max_seq_len=512, weight_format=recipe)
 pool_cfg = actors.RolloutPoolConfig(num_engines=n, engine=engine_cfg)
 pool = actors.RolloutPool.options(name="miles_ray/rollout_pool").remote(pool_cfg, pl)
 engines = ray.get(pool.engines.remote())

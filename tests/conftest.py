@@ -20,6 +20,14 @@ def tiny_model_path() -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_moe_path() -> str:
+    """A small random Mixtral: 2 MoE layers, 8 experts, top-2 (the MoE model spec's test model)."""
+    from miles_ray.models.hub import tiny_moe_dir
+
+    return str(tiny_moe_dir())
+
+
+@pytest.fixture(scope="session")
 def hf(tiny_model_path):
     """The tiny model as a plain HF module (the reference the engine's numerics are checked against)."""
     from transformers import AutoModelForCausalLM

@@ -200,6 +200,7 @@ def build_group(prompt: dict, out, reward: SafeReward | SafeGroupReward) -> list
                 finish_reason=c.finish_reason,
                 response_text=c.text,
                 metadata=metadata,
+                routes=c.routes,
             )
         )
     return samples

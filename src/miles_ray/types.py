@@ -30,6 +30,8 @@ class Sample:
             mid-response, ``metadata["last_weight_version"]`` holds the newest.
         finish_reason: ``"stop"`` (stop token/string), ``"length"`` (max tokens) or ``"abort"``.
         metadata: free-form task data (the reasoning-gym entry, the answer, ...).
+        routes: MoE models: ``[P, num_layers, top_k]`` experts the engine routed each of the first ``P`` tokens of
+            prompt + response to (``P <= len(prompt_ids) + len(response_ids)``), for routing replay; else None.
 
     """
 
@@ -43,6 +45,7 @@ class Sample:
     finish_reason: str = "length"
     response_text: str = ""
     metadata: dict[str, Any] = field(default_factory=dict)
+    routes: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.loss_mask is None:
@@ -51,6 +54,12 @@ class Sample:
             raise ValueError(
                 "Sample: response_ids, rollout_logprobs and loss_mask must have the same length, got "
                 f"{len(self.response_ids)}, {len(self.rollout_logprobs)}, {len(self.loss_mask)}"
+            )
+        total = len(self.prompt_ids) + len(self.response_ids)
+        if self.routes is not None and (self.routes.dim() != 3 or self.routes.shape[0] > total):
+            raise ValueError(
+                f"Sample: routes must be [P <= {total} (prompt + response tokens), num_layers, top_k], "
+                f"got {tuple(self.routes.shape)}"
             )
 
 
@@ -67,6 +76,8 @@ class RolloutBatch:
         advantages: ``[B]`` per-sample advantage (filled by the algorithm).
         rewards: ``[B]``.
         weight_versions: ``[B]`` weight version each sample was generated with.
+        routes: ``[B, T, num_layers, top_k]`` (int16) the rollout's expert choice for each token of an MoE model,
+            -1 where none was recorded (padding, the last token); None when no sample carries routes.
 
     """
 
@@ -77,6 +88,7 @@ class RolloutBatch:
     rewards: torch.Tensor
     advantages: torch.Tensor
     weight_versions: torch.Tensor
+    routes: torch.Tensor | None = None
 
     @property
     def num_samples(self) -> int:
@@ -101,6 +113,7 @@ class RolloutBatch:
         attention_mask = torch.zeros((num, width), dtype=torch.long)
         response_mask = torch.zeros((num, width - 1), dtype=torch.float32)
         rollout_logprobs = torch.zeros((num, width - 1), dtype=torch.float32)
+        routes = _pad_routes(samples, width)
         for i, s in enumerate(samples):
             p, r = len(s.prompt_ids), len(s.response_ids)
             input_ids[i, : p + r] = torch.tensor(s.prompt_ids + s.response_ids, dtype=torch.long)
@@ -116,6 +129,7 @@ class RolloutBatch:
             rewards=torch.tensor([s.reward for s in samples], dtype=torch.float32),
             advantages=advantages if advantages is not None else torch.zeros(num),
             weight_versions=torch.tensor([s.weight_version for s in samples], dtype=torch.long),
+            routes=routes,
         )
 
     @staticmethod
@@ -134,4 +148,29 @@ class RolloutBatch:
     def shard(self, rank: int, world_size: int) -> RolloutBatch:
         """The contiguous slice of samples that data-parallel ``rank`` trains on (``shard_slice``)."""
         sl = self.shard_slice(self.num_samples, rank, world_size)
-        return RolloutBatch(**{k: getattr(self, k)[sl] for k in self.__dataclass_fields__})
+        return self.select(sl)
+
+    def select(self, rows: slice) -> RolloutBatch:
+        """The batch of the samples in ``rows``."""
+        return RolloutBatch(
+            **{k: None if getattr(self, k) is None else getattr(self, k)[rows] for k in self.__dataclass_fields__}
+        )
+
+
+def _pad_routes(samples: list[Sample], width: int) -> torch.Tensor | None:
+    """``[B, width, L, k]`` int16 routes of the samples, -1 where a sample recorded none.
+
+    Raises:
+        ValueError: if some samples carry routes of another shape (``L``, ``k``) than others.
+
+    """
+    shapes = {tuple(s.routes.shape[1:]) for s in samples if s.routes is not None}
+    if not shapes:
+        return None
+    if len(shapes) > 1:
+        raise ValueError(f"samples carry routes of different [num_layers, top_k]: {sorted(shapes)}")
+    out = torch.full((len(samples), width, *shapes.pop()), -1, dtype=torch.int16)
+    for i, s in enumerate(samples):
+        if s.routes is not None:
+            out[i, : s.routes.shape[0]] = s.routes.to(torch.int16)
+    return out

@@ -1,5 +1,7 @@
 """Shared pieces of the end-to-end tests: a learnable task for a random tiny model, an engine stack, checksums."""
 
+import time
+
 import ray
 
 from miles_ray.actors import RolloutPool, RolloutPoolConfig, Router, RouterConfig
@@ -16,6 +18,15 @@ def engines_and_router(pl, model_path, num_engines, router_config=None):
     pool = RolloutPool.remote(pool_config, pl)
     engines = ray.get(pool.engines.remote())
     return pool, engines, Router.remote(router_config or RouterConfig(), engines)
+
+
+def wait_until_decoding(engine) -> None:
+    """Return once ``engine`` is decoding and some tokens are in (so a sync now lands mid-request)."""
+    deadline = time.time() + 60
+    while ray.get(engine.health.remote())["running"] == 0:
+        assert time.time() < deadline, "the engine never started decoding"
+        time.sleep(0.005)
+    time.sleep(0.05)
 
 
 class ShortResponseTask:

@@ -1,10 +1,8 @@
 """Weight updates while engines generate (the fully async mode's sync), and the async rollout worker, for real."""
 
-import time
-
 import pytest
 import ray
-from helpers import synthetic_group
+from helpers import synthetic_group, wait_until_decoding
 
 from miles_ray import placement
 from miles_ray.actors import TrainerGroup, TrainerGroupConfig, WeightBroadcaster, WeightBroadcasterConfig
@@ -13,14 +11,6 @@ from miles_ray.engines.base import GenerateRequest, SamplingParams
 pytestmark = pytest.mark.e2e
 
 LONG = 400  # tokens per response: long enough that a sync lands mid-request
-
-
-def wait_until_decoding(engine) -> None:
-    deadline = time.time() + 60
-    while ray.get(engine.health.remote())["running"] == 0:
-        assert time.time() < deadline, "the engine never started decoding"
-        time.sleep(0.005)
-    time.sleep(0.05)  # some tokens in
 
 
 @pytest.mark.parametrize("in_flight", ["continue", "finish", "abort_resume"])

@@ -210,7 +210,11 @@ class EngineActor(WeightReceiver):
             c, tail = out.completions[i], more.completions[0]
             tokens = list(c.token_ids) + list(tail.token_ids)
             text = self.engine.tokenizer.decode(tokens, skip_special_tokens=True)
-            out.completions[i] = Completion(tokens, list(c.logprobs) + list(tail.logprobs), tail.finish_reason, text)
+            # the continuation re-prefilled prompt + tokens so far: its routes cover the whole sequence
+            routes = tail.routes if tail.routes is not None else c.routes
+            out.completions[i] = Completion(
+                tokens, list(c.logprobs) + list(tail.logprobs), tail.finish_reason, text, routes
+            )
             out.weight_version = max(out.weight_version, more.weight_version)
         return out
 

@@ -53,6 +53,13 @@ class TorchBackendConfig(StrictConfig):
         "with a straight-through gradient (QAT); give the engines the same config. Policy only. None: plain weights.",
     )
 
+    routing_replay: bool = Field(
+        False,
+        description="MoE policies: route each token to the experts the rollout engine chose for it (R3), with the "
+        "trainer's own router weights at those experts. Needs samples from embedded engines (they record routes). "
+        "Policy only.",
+    )
+
     @model_validator(mode="after")
     def _check_lora_and_format(self) -> TorchBackendConfig:
         if self.lora is not None and self.weight_format is not None:
@@ -61,7 +68,7 @@ class TorchBackendConfig(StrictConfig):
 
 
 def policy_only(backend: TorchBackendConfig, owner: str) -> TorchBackendConfig:
-    """Field check for the critic's and the reference's backend: ``lora`` and ``weight_format`` must be None.
+    """Field check for the critic's and the reference's backend: no ``lora``, ``weight_format`` or ``routing_replay``.
 
     Raises:
         ValueError: naming ``owner`` and the field if either is set.
@@ -77,6 +84,8 @@ def policy_only(backend: TorchBackendConfig, owner: str) -> TorchBackendConfig:
             f"{owner}.backend.weight_format must be None: the low-precision recipe applies to the policy only "
             "(TrainerGroupConfig.backend.weight_format and the engines)"
         )
+    if backend.routing_replay:
+        raise ValueError(f"{owner}.backend.routing_replay must be False: routing replay applies to the policy only")
     return backend
 
 

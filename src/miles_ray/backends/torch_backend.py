@@ -12,6 +12,8 @@ Usage (inside a rank whose ``torch.distributed`` default group is initialised)::
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
@@ -26,6 +28,7 @@ from miles_ray.backends.objectives import (
     PPOClipLossConfig,
     resolve_loss,
 )
+from miles_ray.backends.routing import RouteTracker, find_routers
 from miles_ray.backends.torch_rank import TorchRank, param_dtype
 from miles_ray.models.quant import apply_weight_format
 from miles_ray.sync.plan import Bucket, SyncPlan, plan_buckets
@@ -65,6 +68,7 @@ class PolicyRank(TorchRank):
 
     With ``config.lora`` (trained ranks only) peft adapters are injected before wrapping and only they train. With
     ``config.weight_format`` the linear layers compute through the rollout format (fake-quant, straight-through).
+    An MoE policy tracks its routes against the rollout's (``routes``), replaying them with ``config.routing_replay``.
     """
 
     def __init__(self, config: TorchBackendConfig, optim: OptimizerConfig | None, model_path: str):
@@ -72,7 +76,26 @@ class PolicyRank(TorchRank):
         self.adapter = inject_lora(module, config.lora) if config.lora is not None and optim is not None else None
         if config.weight_format is not None:  # every forward sees the engines' rounded weights
             apply_weight_format(module, config.weight_format, "trainer")
+        self.routes = None
+        if optim is not None and (config.routing_replay or find_routers(module)):
+            self.routes = RouteTracker(module, replay=config.routing_replay)
         super().__init__(config, optim, module)
+
+    def tracking_routes(self, batch: RolloutBatch, rows: slice):
+        """Context for a forward (and its backward) over ``batch`` rows ``rows``: compare / replay their routes.
+
+        Raises:
+            ValueError: with ``routing_replay`` on and a batch that carries no routes.
+
+        """
+        if self.routes is None:
+            return contextlib.nullcontext()
+        if batch.routes is None and self.config.routing_replay:
+            raise ValueError(
+                "backend.routing_replay is on but the batch carries no routes: the samples must come from embedded "
+                "engines serving the MoE model (vLLM engines and multi-turn samples record none)"
+            )
+        return self.routes.tracking(None if batch.routes is None else batch.routes[rows])
 
     def forward_logprobs(self, input_ids, attention_mask, response_mask, temperature):
         """``[B, T-1]`` next-token logprobs and entropies, computed only from the first response position on.
@@ -96,13 +119,13 @@ class PolicyRank(TorchRank):
         """``[B, T-1]`` logprobs of this rank's batch under the current weights, fp32 on CPU."""
         self.model.eval()
         mbs = self.config.micro_batch_size
-        parts = [
-            self.forward_logprobs(
-                batch.input_ids[i : i + mbs], batch.attention_mask[i : i + mbs], batch.response_mask[i : i + mbs],
-                temperature,
-            )[0].cpu()
-            for i in range(0, batch.num_samples, mbs)
-        ]  # fmt: skip
+        parts = []
+        for i in range(0, batch.num_samples, mbs):
+            sl = slice(i, i + mbs)
+            with self.tracking_routes(batch, sl):
+                lp, _ = self.forward_logprobs(batch.input_ids[sl], batch.attention_mask[sl], batch.response_mask[sl],
+                                              temperature)  # fmt: skip
+            parts.append(lp.cpu())
         return torch.cat(parts)
 
 
@@ -207,7 +230,11 @@ class TorchBackend(PolicyRank):
             "entropy_sum": 0.0,
             "clipped_tokens": 0.0,
             "ref_kl_sum": 0.0,
+            "route_differ": 0.0,
+            "route_recorded": 0.0,
         }
+        if self.routes is not None:
+            self.routes.take_mismatch()  # count this step's forwards only
         lp_diff_max = 0.0
         starts = list(range(0, batch.num_samples, mbs))
         for i in starts:
@@ -224,28 +251,29 @@ class TorchBackend(PolicyRank):
                         ref_lp, _ = self.reference.forward_logprobs(
                             batch.input_ids[sl], batch.attention_mask[sl], mask_all[sl], temperature
                         )
-            logprobs, entropy = self.forward_logprobs(
-                batch.input_ids[sl], batch.attention_mask[sl], mask_all[sl], temperature
-            )
-            old = logprobs.detach() if old_logprobs is None else old_logprobs[sl].to(self.device)
-            adv = batch.advantages[sl].to(self.device)
-            rollout = batch.rollout_logprobs[sl].to(self.device)
-            extra = {}
-            if self.correction is not None:
-                weights, wm = importance_weights(logprobs, rollout, mask, self.correction.kind, self.correction.cap)
-                extra["token_weights"] = weights
-                sums["clipped_tokens"] += wm["weight_clipped_frac"] * tokens
-            loss, m = self.loss_fn(logprobs, old, adv, mask, **self.loss_kwargs, **extra)
-            if ref_lp is not None:
-                kl_tokens = kl_estimate(logprobs, ref_lp, self.kl.estimator)
-                mode = "token_mean" if per_token else "seq_mean_token_mean"  # same units as the policy loss
-                loss = loss + self.kl.coef * masked_aggregate(kl_tokens, mask, mode)
-                sums["ref_kl_sum"] += float((kl_tokens.detach() * mask).sum())
-            if self.entropy_coef > 0:  # entropy bonus: maximise entropy, so subtract it from the loss
-                mode = "token_mean" if per_token else "seq_mean_token_mean"  # same units as the policy loss
-                loss = loss - self.entropy_coef * masked_aggregate(entropy, mask, mode)
-            units = tokens if per_token else float(mask.shape[0])
-            self.backward_share(loss, units, global_units)
+            with self.tracking_routes(batch, sl):  # the backward too: checkpointing re-runs the routers
+                logprobs, entropy = self.forward_logprobs(
+                    batch.input_ids[sl], batch.attention_mask[sl], mask_all[sl], temperature
+                )
+                old = logprobs.detach() if old_logprobs is None else old_logprobs[sl].to(self.device)
+                adv = batch.advantages[sl].to(self.device)
+                rollout = batch.rollout_logprobs[sl].to(self.device)
+                extra = {}
+                if self.correction is not None:
+                    weights, wm = importance_weights(logprobs, rollout, mask, self.correction.kind, self.correction.cap)
+                    extra["token_weights"] = weights
+                    sums["clipped_tokens"] += wm["weight_clipped_frac"] * tokens
+                loss, m = self.loss_fn(logprobs, old, adv, mask, **self.loss_kwargs, **extra)
+                if ref_lp is not None:
+                    kl_tokens = kl_estimate(logprobs, ref_lp, self.kl.estimator)
+                    mode = "token_mean" if per_token else "seq_mean_token_mean"  # same units as the policy loss
+                    loss = loss + self.kl.coef * masked_aggregate(kl_tokens, mask, mode)
+                    sums["ref_kl_sum"] += float((kl_tokens.detach() * mask).sum())
+                if self.entropy_coef > 0:  # entropy bonus: maximise entropy, so subtract it from the loss
+                    mode = "token_mean" if per_token else "seq_mean_token_mean"  # same units as the policy loss
+                    loss = loss - self.entropy_coef * masked_aggregate(entropy, mask, mode)
+                units = tokens if per_token else float(mask.shape[0])
+                self.backward_share(loss, units, global_units)
             sums["loss"] += float(loss.detach()) * units
             for k, v in m.items():  # the loss's own metrics, token-weighted
                 sums[f"m/{k}"] = sums.get(f"m/{k}", 0.0) + v * tokens
@@ -257,6 +285,8 @@ class TorchBackend(PolicyRank):
                 sums["entropy_sum"] += float((entropy * mask).sum())
                 lp_diff_max = max(lp_diff_max, float(diff.max()) if diff.numel() else 0.0)
             sums["tokens"] += tokens
+        if self.routes is not None:
+            sums["route_differ"], sums["route_recorded"] = self.routes.take_mismatch()
         grad_norm, skipped = self.clip_and_step(sums["loss"])
         reduced = torch.tensor([sums[k] for k in sums] + [local_units], dtype=torch.float64)
         dist.all_reduce(reduced)
@@ -277,6 +307,8 @@ class TorchBackend(PolicyRank):
             "is_weight_clipped_frac": r["clipped_tokens"] / tokens,
             "ref_kl": r["ref_kl_sum"] / tokens,
             "num_tokens": r["tokens"],
+            # MoE: share of (token, layer) expert sets the trainer's own routers choose unlike the rollout's
+            **({"moe_route_mismatch_frac": r["route_differ"] / max(r["route_recorded"], 1.0)} if self.routes else {}),
         }
 
     # --- weight sync ----------------------------------------------------------------------------

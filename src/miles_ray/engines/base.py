@@ -57,6 +57,9 @@ class Completion:
     logprobs: list[float]
     finish_reason: str  # "stop" | "length" | "abort"
     text: str = ""
+    # MoE models: the experts each token fed to the model was routed to, ``[P, num_layers, top_k]`` for the first
+    # P tokens of prompt + response (P = prompt + response - 1: the last sampled token is never fed); else None
+    routes: torch.Tensor | None = None
 
 
 @dataclass

@@ -96,6 +96,7 @@ class _Row:
     length: int
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    routes: list[torch.Tensor] = field(default_factory=list)  # MoE: experts of each fed token, in chunks
 
 
 class EmbeddedEngine:
@@ -405,6 +406,9 @@ class EmbeddedEngine:
                 self._cache.copy_slot(first + head_of[id(r.req)], first + len(prefilled) + k, r.length)
         else:
             source = list(range(len(rows)))
+        if self.model.last_routes is not None:  # a prompt's routes are shared by its samples, like its KV
+            for r, i in zip(rows, source):
+                r.routes.append(self.model.last_routes[i, : len(prompts[i])])
         self._running.extend(rows)
         self._advance(logits[torch.tensor(source)], first)
 
@@ -420,8 +424,11 @@ class EmbeddedEngine:
         tokens = torch.tensor([r.tokens[-1] for r in self._running])
         positions = torch.tensor([r.length for r in self._running])
         logits = self.model.decode(tokens, positions, self._cache)
-        for r in self._running:
+        routes = self.model.last_routes
+        for b, r in enumerate(self._running):
             r.length += 1
+            if routes is not None:
+                r.routes.append(routes[b])
         self._advance(logits, 0)
 
     def _advance(self, logits: torch.Tensor, first: int) -> None:
@@ -448,7 +455,8 @@ class EmbeddedEngine:
         for s in sorted(reasons, reverse=True):
             row = self._running[s]
             text = self.tokenizer.decode(row.tokens, skip_special_tokens=True)
-            row.req.completions[row.index] = Completion(row.tokens, row.logprobs, reasons[s], text)
+            routes = torch.cat(row.routes) if row.routes else None
+            row.req.completions[row.index] = Completion(row.tokens, row.logprobs, reasons[s], text, routes)
             last = len(self._running) - 1
             if s != last:
                 self._cache.copy_slot(last, s, self._running[last].length)

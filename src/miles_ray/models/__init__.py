@@ -21,6 +21,7 @@ from miles_ray.models.llama import LlamaModel
 ENGINE_MODEL_SPECS: dict[str, Callable[[Path, torch.dtype], torch.nn.Module]] = {
     "llama": LlamaModel.from_hf_dir,
     "qwen2": LlamaModel.from_hf_dir,
+    "mixtral": LlamaModel.from_hf_dir,
 }
 
 

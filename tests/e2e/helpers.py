@@ -29,6 +29,37 @@ def wait_until_decoding(engine) -> None:
     time.sleep(0.05)
 
 
+def grpo_in_step(trainer, router, wb, model_path, steps=2, check=None) -> list[str]:
+    """``steps`` GRPO steps on ``ShortResponseTask`` where, before each step, the trainer's logprobs equal the
+    engines' (< 1e-4: the engines hold the trainer's weights), then a verified sync.
+
+    ``check(samples, metrics)`` may assert more per step. Returns the sync checksums.
+    """
+    from transformers import AutoTokenizer
+
+    from miles_ray.actors import ReplayBuffer, ReplayBufferConfig
+    from miles_ray.engines.base import SamplingParams
+    from miles_ray.rollout import generate_groups
+
+    buffer = ReplayBuffer.remote(ReplayBufferConfig())
+    task = ShortResponseTask(AutoTokenizer.from_pretrained(model_path))
+    params = SamplingParams(n=4, max_new_tokens=12, ignore_eos=True)
+    checksums = []
+    for _ in range(steps):
+        ray.get(buffer.add.remote(generate_groups(router, task, params, num_prompts=2)))
+        refs = ray.get(buffer.get_batch.remote(2))
+        samples = [s for g in ray.get([g.ref for g in refs]) for s in g]
+        trainer_lp = ray.get(trainer.compute_logprobs.remote(refs))
+        diff = max(max(abs(a - b) for a, b in zip(t, s.rollout_logprobs)) for t, s in zip(trainer_lp, samples))
+        assert diff < 1e-4
+        metrics = ray.get(trainer.train_step.remote(refs))
+        assert metrics["grad_norm"] > 0
+        if check is not None:
+            check(samples, metrics)
+        checksums.append(ray.get(wb.sync.remote(metrics["weight_version"]))["checksum"])  # every engine verified
+    return checksums
+
+
 class ShortResponseTask:
     """Data source + verifiable reward for a random tiny model: reward = share of response tokens below 1000.
 

@@ -7,13 +7,10 @@ and expert tensors sync to both engines and are verified by checksum.
 
 import pytest
 import ray
-from helpers import ShortResponseTask
-from transformers import AutoTokenizer
+from helpers import grpo_in_step
 
 from miles_ray import placement
 from miles_ray.actors import (
-    ReplayBuffer,
-    ReplayBufferConfig,
     RolloutPool,
     RolloutPoolConfig,
     Router,
@@ -25,7 +22,6 @@ from miles_ray.actors import (
 )
 from miles_ray.engines.base import SamplingParams
 from miles_ray.engines.embedded import EmbeddedEngineConfig
-from miles_ray.rollout import generate_groups
 
 pytestmark = pytest.mark.e2e
 
@@ -41,23 +37,12 @@ def test_grpo_on_moe_with_routing_replay(make_placement, tiny_moe_path):
     router = Router.remote(RouterConfig(), engines)
     wb = WeightBroadcaster.remote(WeightBroadcasterConfig(transport="broadcast"), ray.get(trainer.workers.remote()),
                                   engines)  # fmt: skip
-    buffer = ReplayBuffer.remote(ReplayBufferConfig())
-    task = ShortResponseTask(AutoTokenizer.from_pretrained(tiny_moe_path))
-    params = SamplingParams(n=4, max_new_tokens=12, ignore_eos=True)
-    checksums = []
-    for _ in range(2):
-        ray.get(buffer.add.remote(generate_groups(router, task, params, num_prompts=2)))
-        refs = ray.get(buffer.get_batch.remote(2))
-        samples = [s for g in ray.get([g.ref for g in refs]) for s in g]
-        for s in samples:  # prompt + all response tokens but the last were fed to the model
-            assert s.routes is not None and s.routes.shape == (len(s.prompt_ids) + len(s.response_ids) - 1, 2, 2)
-        trainer_lp = ray.get(trainer.compute_logprobs.remote(refs))
-        diff = max(max(abs(a - b) for a, b in zip(t, s.rollout_logprobs)) for t, s in zip(trainer_lp, samples))
-        assert diff < 1e-4
-        metrics = ray.get(trainer.train_step.remote(refs))
-        assert metrics["grad_norm"] > 0 and metrics["moe_route_mismatch_frac"] == 0.0
-        result = ray.get(wb.sync.remote(metrics["weight_version"]))  # every engine's checksum verified
-        checksums.append(result["checksum"])
+
+    def check(samples, metrics):  # prompt + all response tokens but the last were fed to the model
+        assert all(s.routes.shape == (len(s.prompt_ids) + len(s.response_ids) - 1, 2, 2) for s in samples)
+        assert metrics["moe_route_mismatch_frac"] == 0.0  # replayed (and fp32: its own routers agree)
+
+    checksums = grpo_in_step(trainer, router, wb, tiny_moe_path, check=check)
     assert len(set(checksums)) == 2  # the checksums cover every parameter: routers and fused experts included
 
 

@@ -57,6 +57,23 @@ class RankWorker:
 
     def __init__(self, rank: int, world_size: int, config):
         self.rank, self.world_size, self.config = rank, world_size, config
+        self.data_shard = (rank, world_size)  # (data-parallel rank, size): which samples this rank works on
+        self.data_ranks = list(range(world_size))  # one rank per data shard, in shard order
+
+    def set_data_ranks(self, dp_rank: int, dp_size: int) -> None:
+        """Collective: record this rank's data shard (model-parallel peers share one).
+
+        The first rank of each shard speaks for it in ``all_ranks``: its peers hold the same samples.
+        """
+        import torch.distributed as dist
+
+        self.data_shard = (dp_rank, dp_size)
+        shards = [None] * self.world_size
+        dist.all_gather_object(shards, dp_rank)
+        first = {}
+        for rank, shard in enumerate(shards):
+            first.setdefault(shard, rank)
+        self.data_ranks = [first[d] for d in range(dp_size)]
 
     def address(self) -> tuple[str, int]:
         """Node IP and a free port, for rendezvous hosted by this rank."""
@@ -79,12 +96,12 @@ class RankWorker:
         raise NotImplementedError
 
     def all_ranks(self, local: torch.Tensor) -> torch.Tensor:
-        """Concatenate every rank's ``local`` tensor in rank order (the shards are contiguous slices)."""
+        """Concatenate each data shard's ``local`` tensor in shard order (the shards are contiguous slices)."""
         import torch.distributed as dist
 
         parts = [None] * self.world_size
         dist.all_gather_object(parts, local)
-        return torch.cat(parts)
+        return torch.cat([parts[r] for r in self.data_ranks])
 
     def batch(self, group_refs: list) -> tuple[RolloutBatch, list[Sample]]:
         """The whole padded batch of ``group_refs`` and its samples (every rank builds the same one)."""

@@ -18,15 +18,16 @@ import logging
 import math
 import os
 import time
-from typing import Literal
+from typing import Annotated, Literal
 
 import ray
 import torch
-from pydantic import Field, model_validator
+from pydantic import Discriminator, Field, Tag, model_validator
 
 from miles_ray.actors.ranks import RankWorker, from_masked_lists, masked_lists, start_ranks
 from miles_ray.algo.shaping import overlong_penalty
 from miles_ray.backends.base import OptimizerConfig, TorchBackendConfig
+from miles_ray.backends.megatron_backend import MegatronBackendConfig
 from miles_ray.backends.objectives import (
     AdvantageConfig,
     GRPOAdvantageConfig,
@@ -58,12 +59,27 @@ class ProfilerConfig(StrictConfig):
     profile_memory: bool = Field(False, description="Record tensor memory allocation.")
 
 
+def _backend_kind(value) -> str:
+    """``kind`` of a backend config or dict; ``torch`` when not given (the default backend)."""
+    return value.get("kind", "torch") if isinstance(value, dict) else getattr(value, "kind", "torch")
+
+
+BackendConfig = Annotated[
+    Annotated[TorchBackendConfig, Tag("torch")] | Annotated[MegatronBackendConfig, Tag("megatron")],
+    Discriminator(_backend_kind),
+]
+
+
 class TrainerGroupConfig(StrictConfig):
     """The trainer: model, parallelism, optimizer, loss and advantages."""
 
     model_path: str = Field(..., description="HF model directory the policy starts from.")
-    num_ranks: int = Field(1, ge=1, le=65536, description="Data-parallel trainer ranks.")
-    backend: TorchBackendConfig = Field(default_factory=TorchBackendConfig, description="Training backend.")
+    num_ranks: int = Field(
+        1, ge=1, le=65536, description="Trainer ranks: data-parallel ranks, times the TP size with Megatron."
+    )
+    backend: BackendConfig = Field(
+        default_factory=TorchBackendConfig, description="Training backend: torch (default) or megatron (kind)."
+    )
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, description="Optimizer settings.")
     loss: LossConfig = Field(default_factory=PPOClipLossConfig, description="Policy loss (ppo_clip | gspo).")
     advantage: AdvantageConfig = Field(
@@ -100,6 +116,11 @@ class TrainerGroupConfig(StrictConfig):
             raise ValueError(
                 f"mismatch_correction needs loss.kind='ppo_clip' (per-token weights), got loss.kind={self.loss.kind!r}"
             )
+        if self.backend.kind == "megatron" and self.num_ranks % self.backend.parallel.tensor_model_parallel_size:
+            raise ValueError(
+                f"num_ranks={self.num_ranks} must be a multiple of "
+                f"backend.parallel.tensor_model_parallel_size={self.backend.parallel.tensor_model_parallel_size}"
+            )
         return self
 
 
@@ -115,10 +136,12 @@ class TrainerWorker(RankWorker):
 
     def setup(self) -> None:
         """Build the backend (model, optimizer, on-rank reference unless a ReferenceGroup serves it) and hooks."""
-        from miles_ray.backends.torch_backend import TorchBackend
-
         c = self.config
-        self.backend = TorchBackend(
+        if c.backend.kind == "megatron":
+            from miles_ray.backends.megatron_backend import MegatronBackend as Backend
+        else:
+            from miles_ray.backends.torch_backend import TorchBackend as Backend
+        self.backend = Backend(
             c.backend,
             c.optimizer,
             c.loss,
@@ -128,6 +151,7 @@ class TrainerWorker(RankWorker):
             kl=c.kl,
             local_reference=not self.external_reference,
         )
+        self.set_data_ranks(self.backend.dp_rank, self.backend.dp_size)
         self.hooks = Hooks(c.hooks)
         self.ctx = HookContext(self.rank, self.world_size, self.backend.model, self.backend.optimizer, c)
         self.hooks.call("after_init", self.ctx)
@@ -178,10 +202,10 @@ class TrainerWorker(RankWorker):
         batch, samples = self._batch(group_refs)
         mask, c = batch.response_mask, self.config
         ref = None if ref_logprobs is None else from_masked_lists(ref_logprobs, mask, "ref_logprobs")
-        shard_of = RolloutBatch.shard_slice(batch.num_samples, self.rank, self.world_size)
+        shard_of = RolloutBatch.shard_slice(batch.num_samples, *self.data_shard)
         penalty = None  # [B, T-1] per-token KL penalty, before advantages, on the full batch
         if c.kl is not None and c.kl.mode == "reward":
-            shard = batch.shard(self.rank, self.world_size)
+            shard = batch.shard(*self.data_shard)
             penalty = c.kl.coef * self.all_ranks(
                 self.backend.token_kl(shard, c.temperature, None if ref is None else ref[shard_of])
             )
@@ -192,7 +216,7 @@ class TrainerWorker(RankWorker):
         elif penalty is not None:
             batch.rewards = batch.rewards - penalty.sum(-1)
             self._advantages(batch, samples)
-        shard = batch.shard(self.rank, self.world_size)
+        shard = batch.shard(*self.data_shard)
         self.hooks.call("before_train_step", self.ctx, shard)
         old = shard.rollout_logprobs if c.old_logprobs == "rollout" else None
         shard_ref = None if ref is None or c.kl.mode != "loss" else ref[shard_of]
@@ -210,7 +234,7 @@ class TrainerWorker(RankWorker):
     def compute_logprobs(self, group_refs: list) -> list[list[float]] | None:
         """Every sample's response-token logprobs under the current weights (rank 0 returns them)."""
         batch, _ = self._batch(group_refs)
-        shard = batch.shard(self.rank, self.world_size)
+        shard = batch.shard(*self.data_shard)
         self.hooks.call("before_logprobs", self.ctx, shard)
         return self.gather_masked(batch, self.backend.compute_logprobs(shard, self.config.temperature))
 
@@ -285,6 +309,8 @@ class TrainerGroup:
     """
 
     def __init__(self, config: TrainerGroupConfig, placement: Placement, critic=None, reference=None):
+        if config.backend.kind == "megatron" and config.kl is not None and reference is None:
+            raise ValueError("backend.kind='megatron' keeps no KL reference on its ranks: pass a ReferenceGroup")
         if (config.advantage.kind == "gae") != (critic is not None):
             raise ValueError(
                 "TrainerGroupConfig.advantage.kind='gae' and a critic go together: "

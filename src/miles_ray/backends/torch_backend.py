@@ -171,14 +171,23 @@ class TorchBackend(PolicyRank):
         local_reference: bool = True,
     ):
         super().__init__(config, optim, model_path)
+        self.set_objectives(loss, correction, entropy_coef, kl)
+        self.reference = None
+        if kl is not None and local_reference:
+            self.reference = _BaseWeightsReference(self) if self.adapter else PolicyRank(config, None, model_path)
+
+    def set_objectives(self, loss, correction: MismatchCorrectionConfig | None, entropy_coef: float, kl) -> None:
+        """The loss and its extra terms ``train_step`` applies (shared with the Megatron backend).
+
+        Raises:
+            ValueError: for a mismatch correction with a sequence-level loss.
+
+        """
         self.loss_config = loss
         self.loss_fn, self.loss_kwargs = resolve_loss(loss)
         if correction is not None and loss.kind != "ppo_clip":
             raise ValueError(f"mismatch_correction weights tokens; loss kind {loss.kind!r} has a sequence ratio")
         self.correction, self.entropy_coef, self.kl = correction, entropy_coef, kl
-        self.reference = None
-        if kl is not None and local_reference:
-            self.reference = _BaseWeightsReference(self) if self.adapter else PolicyRank(config, None, model_path)
 
     def reference_logprobs(self, batch: RolloutBatch, temperature: float) -> torch.Tensor:
         """``[B, T-1]`` logprobs under the on-rank reference model."""
@@ -289,10 +298,10 @@ class TorchBackend(PolicyRank):
             sums["route_differ"], sums["route_recorded"] = self.routes.take_mismatch()
         grad_norm, skipped = self.clip_and_step(sums["loss"])
         reduced = torch.tensor([sums[k] for k in sums] + [local_units], dtype=torch.float64)
-        dist.all_reduce(reduced)
+        dist.all_reduce(reduced, group=self.dp_group)
         r = dict(zip(list(sums) + ["units"], reduced.tolist()))
         max_t = torch.tensor([lp_diff_max], dtype=torch.float64)
-        dist.all_reduce(max_t, op=dist.ReduceOp.MAX)
+        dist.all_reduce(max_t, op=dist.ReduceOp.MAX, group=self.dp_group)
         tokens = max(r["tokens"], 1.0)
         metrics = {k[2:]: v / tokens for k, v in r.items() if k.startswith("m/")}
         return {

@@ -37,6 +37,8 @@ class TorchRank:
         self.config, self.optim_config = config, optim
         torch.set_num_threads(config.num_threads)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        # every rank is a data-parallel rank here (a model-parallel backend narrows these to its DP group)
+        self.dp_group, self.dp_rank, self.dp_size = None, self.rank, self.world_size
         self.device = rank_device()
         if config.gradient_checkpointing and optim is not None:
             module.gradient_checkpointing_enable()
@@ -73,9 +75,9 @@ class TorchRank:
         return model
 
     def global_sum(self, value: float) -> float:
-        """``value`` summed over all ranks."""
+        """``value`` summed over the data-parallel ranks."""
         t = torch.tensor([value], dtype=torch.float64, device=self.device if self.device.type == "cuda" else "cpu")
-        dist.all_reduce(t)
+        dist.all_reduce(t, group=self.dp_group)
         return float(t)
 
     def grad_sync(self, enabled: bool) -> None:
@@ -111,9 +113,10 @@ class TorchRank:
     def backward_share(self, loss: torch.Tensor, units: float, global_units: float) -> None:
         """Backward ``loss`` weighted by this micro-batch's share of the global batch.
 
-        FSDP2/DDP average gradients over ranks; multiplying by the world size turns that into a sum.
+        FSDP2/DDP (and Megatron's DDP) average gradients over the data-parallel ranks; multiplying by their
+        count turns that into a sum.
         """
-        (loss * units / global_units * self.world_size).backward()
+        (loss * units / global_units * self.dp_size).backward()
 
     # --- checkpoints ----------------------------------------------------------------------------
     def save(self, path: str) -> None:

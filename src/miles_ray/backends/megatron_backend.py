@@ -1,0 +1,376 @@
+"""Megatron-core training backend: a GPT model built from an HF Llama/Qwen2, tensor parallel, Megatron's optimizer.
+
+One trainer rank per process, as with the torch backend: ranks form ``TP x DP`` groups (``parallel_state``),
+each TP group holds one model split across its ranks and trains on one data-parallel shard. The model is
+megatron-core's ``GPTModel`` with the pure-PyTorch ("local") layer spec, so it runs on CPU with gloo as well
+as on GPUs (Transformer Engine is not required); weights come in from the HF directory
+(``megatron_convert.hf_to_megatron``), train under Megatron's DDP and optimizer (``get_megatron_optimizer``),
+save to / load from ``dist_checkpointing`` checkpoints that reload under another TP size, and leave as
+HF-named tensors (all-gathered over the TP group) for the weight broadcaster.
+
+The loss, advantages, KL and mismatch corrections are the torch backend's (``TorchBackend.train_step``): this
+class provides the same primitives (``forward_logprobs`` with vocab-parallel logprobs and entropy, gradient
+reduction, clipped step) over the data-parallel group. On a machine without CUDA ``megatron_cpu.apply()``
+maps megatron's few ``torch.cuda`` calls to the CPU first.
+
+Usage (inside a rank whose ``torch.distributed`` default group spans all trainer ranks)::
+
+    backend = MegatronBackend(MegatronBackendConfig(parallel={"tensor_model_parallel_size": 2}),
+                              OptimizerConfig(lr=1e-5), PPOClipLossConfig(), model_path)
+    metrics = backend.train_step(batch.shard(backend.dp_rank, backend.dp_size), temperature=1.0)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from pydantic import Field, model_validator
+
+from miles_ray.backends import megatron_cpu
+from miles_ray.backends.base import OptimizerConfig
+from miles_ray.backends.megatron_convert import GPTShape, hf_to_megatron, megatron_source, megatron_to_hf
+from miles_ray.backends.objectives import (
+    CustomLossConfig,
+    GSPOLossConfig,
+    KLConfig,
+    MismatchCorrectionConfig,
+    PPOClipLossConfig,
+)
+from miles_ray.backends.torch_backend import TorchBackend
+from miles_ray.backends.torch_rank import rank_device
+from miles_ray.config import StrictConfig
+from miles_ray.sync.plan import Bucket, SyncPlan, pack, plan_buckets
+
+# TransformerConfig fields this backend sets itself (from the HF config or the typed fields below)
+_OWNED = {
+    "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size", "kv_channels",
+    "normalization", "gated_linear_unit", "activation_func", "add_bias_linear", "add_qkv_bias", "layernorm_epsilon",
+    "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+    "expert_model_parallel_size", "sequence_parallel", "recompute_granularity", "recompute_method",
+    "recompute_num_layers", "params_dtype", "bf16", "use_cpu_initialization", "gradient_accumulation_fusion",
+}  # fmt: skip
+
+
+class MegatronParallelConfig(StrictConfig):
+    """Megatron's parallel and recompute settings, passed to ``parallel_state`` and ``TransformerConfig``."""
+
+    tensor_model_parallel_size: int = Field(1, ge=1, le=1024, description="TP: ranks one model is split across.")
+    pipeline_model_parallel_size: int = Field(1, ge=1, le=1, description="PP: only 1 is supported yet.")
+    context_parallel_size: int = Field(1, ge=1, le=1, description="CP: only 1 is supported yet.")
+    expert_model_parallel_size: int = Field(1, ge=1, le=1, description="EP: dense models only yet, so 1.")
+    sequence_parallel: bool = Field(False, description="Shard norms/dropout activations over the TP ranks.")
+    recompute_granularity: Literal["full", "selective"] | None = Field(
+        None, description="Activation recompute: 'full' layers or 'selective' (attention core); None: off."
+    )
+    recompute_method: Literal["uniform", "block"] | None = Field(None, description="With 'full': how layers group.")
+    recompute_num_layers: int | None = Field(None, ge=1, description="With 'full': layers per recompute unit.")
+
+    @model_validator(mode="after")
+    def _check(self) -> MegatronParallelConfig:
+        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
+            raise ValueError("sequence_parallel needs tensor_model_parallel_size > 1")
+        if self.recompute_granularity == "full" and (self.recompute_method is None or not self.recompute_num_layers):
+            raise ValueError("recompute_granularity='full' needs recompute_method and recompute_num_layers")
+        return self
+
+
+class MegatronBackendConfig(StrictConfig):
+    """Megatron-core backend of ``TrainerGroup`` (``backend={"kind": "megatron", ...}``)."""
+
+    kind: Literal["megatron"] = "megatron"
+    parallel: MegatronParallelConfig = Field(default_factory=MegatronParallelConfig, description="TP/PP/CP/EP.")
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="Model dtype; bfloat16 keeps fp32 main params and grads in Megatron's optimizer."
+    )
+    micro_batch_size: int = Field(8, ge=1, le=4096, description="Samples per forward/backward on one DP rank.")
+    num_threads: int = Field(1, ge=1, le=256, description="torch intra-op threads per rank.")
+    seed: int = Field(1234, description="Seed of Megatron's RNG tracker (per-TP-rank states).")
+    transformer_args: dict[str, Any] = Field(
+        default_factory=dict,
+        description="More megatron TransformerConfig fields, passed as is (checked against TransformerConfig at "
+        "setup); the architecture and the fields above are set from the HF config and may not be given here.",
+    )
+    # the trainer reads these of any backend config; Megatron has no LoRA, low-precision recipe or MoE replay yet
+    lora: None = Field(None, description="LoRA is not supported by the Megatron backend yet (None).")
+    weight_format: None = Field(None, description="Low-precision recipes are not supported here yet (None).")
+    routing_replay: Literal[False] = Field(False, description="MoE routing replay is not supported here yet.")
+
+    @model_validator(mode="after")
+    def _check_args(self) -> MegatronBackendConfig:
+        owned = sorted(set(self.transformer_args) & _OWNED)
+        if owned:
+            raise ValueError(f"transformer_args may not set {owned}: they come from the HF config or `parallel`")
+        return self
+
+
+def _transformer_config(hf: dict, config: MegatronBackendConfig):
+    import dataclasses
+
+    from megatron.core.transformer import TransformerConfig
+
+    known = {f.name for f in dataclasses.fields(TransformerConfig)}
+    unknown = sorted(set(config.transformer_args) - known)
+    if unknown:
+        raise ValueError(f"transformer_args: {unknown} are not megatron TransformerConfig fields")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act must be 'silu' for the Megatron backend, got {hf.get('hidden_act')!r}")
+    p = config.parallel
+    shape = GPTShape.from_hf_config(hf)
+    bf16 = config.dtype == "bfloat16"
+    args = {
+        "attention_dropout": 0.0, "hidden_dropout": 0.0, "bias_dropout_fusion": False, "apply_rope_fusion": False,
+        "masked_softmax_fusion": False, "persist_layer_norm": False, **config.transformer_args,
+    }  # fmt: skip
+    return TransformerConfig(
+        num_layers=shape.num_layers, hidden_size=hf["hidden_size"], num_attention_heads=shape.num_heads,
+        num_query_groups=shape.num_kv_heads, kv_channels=shape.head_dim, ffn_hidden_size=hf["intermediate_size"],
+        normalization="RMSNorm", layernorm_epsilon=hf["rms_norm_eps"], gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu, add_bias_linear=False, add_qkv_bias=shape.qkv_bias,
+        tensor_model_parallel_size=p.tensor_model_parallel_size,
+        pipeline_model_parallel_size=p.pipeline_model_parallel_size, context_parallel_size=p.context_parallel_size,
+        expert_model_parallel_size=p.expert_model_parallel_size, sequence_parallel=p.sequence_parallel,
+        recompute_granularity=p.recompute_granularity, recompute_method=p.recompute_method,
+        recompute_num_layers=p.recompute_num_layers, params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        bf16=bf16, use_cpu_initialization=True, gradient_accumulation_fusion=False, **args,
+    )  # fmt: skip
+
+
+def _rope_theta(hf: dict) -> float:
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        raise ValueError(f"rope scaling {rope} is not supported by the Megatron backend (only the default RoPE)")
+    return float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+
+
+def build_gpt(model_path: str, config: MegatronBackendConfig):
+    """Megatron ``GPTModel`` shard of this TP rank with the HF weights at ``model_path`` (model parallel initialised).
+
+    Returns:
+        ``(model, shape, hf_shapes)``: the module, its ``GPTShape`` and the HF name -> shape of every weight.
+
+    Raises:
+        ValueError: for an unsupported architecture or a TP size the model does not split over.
+
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from safetensors.torch import load_file
+
+    hf = json.loads((Path(model_path) / "config.json").read_text())
+    shape = GPTShape.from_hf_config(hf)
+    tconfig = _transformer_config(hf, config)
+    tp = config.parallel.tensor_model_parallel_size
+    if hf["vocab_size"] % tp:
+        raise ValueError(f"vocab_size={hf['vocab_size']} does not split over tensor_model_parallel_size={tp}")
+    model = GPTModel(
+        config=tconfig, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        vocab_size=hf["vocab_size"], max_sequence_length=hf.get("max_position_embeddings", 4096),
+        position_embedding_type="rope", rotary_base=_rope_theta(hf),
+        share_embeddings_and_output_weights=shape.tie_word_embeddings,
+    )  # fmt: skip
+    state = {}
+    for f in sorted(Path(model_path).glob("*.safetensors")):
+        state.update(load_file(f))
+    tied = shape.tie_word_embeddings
+    hf_shapes = {n: tuple(t.shape) for n, t in state.items() if not (tied and n == "lm_head.weight")}
+    shard = hf_to_megatron(state, shape, tp, ps.get_tensor_model_parallel_rank())
+    dtype = tconfig.params_dtype
+    missing, unexpected = model.load_state_dict({k: v.to(dtype) for k, v in shard.items()}, strict=False)
+    missing = [m for m in missing if not m.endswith("._extra_state")]
+    if missing or unexpected:
+        raise ValueError(f"{model_path}: Megatron weights missing {missing[:5]}, unexpected {unexpected[:5]}")
+    return model, shape, hf_shapes
+
+
+def _vocab_parallel_logprobs_entropy(logits: torch.Tensor, targets: torch.Tensor, temperature: float):
+    """Logprob of ``targets`` and entropy from vocab-sharded logits ``[B, K, V/tp]`` (differentiable, no gather)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region, vocab_parallel_cross_entropy
+
+    logits = logits.float() / temperature
+    with torch.no_grad():
+        shift = logits.max(dim=-1, keepdim=True).values
+        dist.all_reduce(shift, op=dist.ReduceOp.MAX, group=ps.get_tensor_model_parallel_group())
+    z = logits - shift
+    e = z.exp()
+    total = reduce_from_tensor_model_parallel_region(torch.stack([e.sum(-1), (e * z).sum(-1)]))
+    entropy = total[0].log() - total[1] / total[0]  # H = log sum e^z - sum e^z z / sum e^z
+    # last: megatron's cross entropy works in place on the logits it is given (saves a [B, K, V/tp] copy)
+    return -vocab_parallel_cross_entropy(logits, targets), entropy
+
+
+def _megatron_optimizer(model, optim: OptimizerConfig, config: MegatronBackendConfig):
+    from megatron.core.optimizer import OptimizerConfig as MOptimizerConfig
+    from megatron.core.optimizer import get_megatron_optimizer
+
+    bf16 = config.dtype == "bfloat16"
+    mconfig = MOptimizerConfig(
+        optimizer="adam", lr=optim.lr, weight_decay=optim.weight_decay, adam_beta1=optim.betas[0],
+        adam_beta2=optim.betas[1], adam_eps=optim.eps, clip_grad=optim.grad_clip, bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32, use_distributed_optimizer=False,
+    )  # fmt: skip
+    return get_megatron_optimizer(mconfig, [model])
+
+
+class MegatronBackend(TorchBackend):
+    """One rank of a Megatron-core policy: ``TP x DP`` ranks, Megatron DDP and optimizer, HF weights in and out.
+
+    Raises:
+        ValueError: for a world size the TP size does not divide, an unsupported architecture, or an on-rank
+            KL reference (serve it from a ``ReferenceGroup``).
+
+    """
+
+    def __init__(
+        self,
+        config: MegatronBackendConfig,
+        optim: OptimizerConfig,
+        loss: PPOClipLossConfig | GSPOLossConfig | CustomLossConfig,
+        model_path: str,
+        correction: MismatchCorrectionConfig | None = None,
+        entropy_coef: float = 0.0,
+        kl: KLConfig | None = None,
+        local_reference: bool = True,
+    ):
+        from megatron.core import parallel_state as ps
+        from megatron.core import tensor_parallel
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+        megatron_cpu.apply()
+        tp = config.parallel.tensor_model_parallel_size
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        if self.world_size % tp:
+            raise ValueError(f"tensor_model_parallel_size={tp} must divide the trainer's num_ranks={self.world_size}")
+        if kl is not None and local_reference:
+            raise ValueError("the Megatron backend keeps no on-rank KL reference: give TrainerGroup a ReferenceGroup")
+        torch.set_num_threads(config.num_threads)
+        if not ps.model_parallel_is_initialized():
+            ps.initialize_model_parallel(tensor_model_parallel_size=tp)
+        tensor_parallel.model_parallel_cuda_manual_seed(config.seed)
+        self.config, self.optim_config, self.model_path = config, optim, model_path
+        self.device = rank_device()
+        self.dp_group, self.dp_rank, self.dp_size = (
+            ps.get_data_parallel_group(),
+            ps.get_data_parallel_rank(),
+            ps.get_data_parallel_world_size(),
+        )
+        self.tp_group, self.tp_rank, self.tp_size = (
+            ps.get_tensor_model_parallel_group(),
+            ps.get_tensor_model_parallel_rank(),
+            tp,
+        )
+        module, self.shape, self.hf_shapes = build_gpt(model_path, config)
+        self.hf_model = module.to(self.device)
+        ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                            use_distributed_optimizer=False)  # fmt: skip
+        self.model = DistributedDataParallel(config=module.config, ddp_config=ddp, module=self.hf_model)
+        with megatron_cpu.cpu_devices():
+            self.optimizer = _megatron_optimizer(self.model, optim, config)
+        self.adapter, self.routes, self.reference = None, None, None
+        self.set_objectives(loss, correction, entropy_coef, kl)
+        self.model.zero_grad_buffer()
+
+    # --- the primitives TorchBackend.train_step drives ------------------------------------------
+    def forward_logprobs(self, input_ids, attention_mask, response_mask, temperature):
+        """``[B, T-1]`` next-token logprobs and entropies (vocab-parallel), 0 before the first response position."""
+        input_ids = input_ids.to(self.device)
+        bsz, seq = input_ids.shape
+        positions = torch.arange(seq, device=self.device).expand(bsz, seq)
+        # right padding and causal attention: padded keys only ever follow the real tokens
+        causal = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=self.device), diagonal=1)[None, None]
+        logits = self.model(input_ids, positions, attention_mask=causal)  # [B, T, V/tp]
+        width = seq - 1
+        nonzero = response_mask.any(dim=0).nonzero()
+        start = int(nonzero[0]) if nonzero.numel() else width - 1
+        lp, entropy = _vocab_parallel_logprobs_entropy(logits[:, start:width], input_ids[:, start + 1 :], temperature)
+        pad = lp.new_zeros(bsz, start)
+        return torch.cat([pad, lp], dim=1), torch.cat([pad, entropy], dim=1)
+
+    def grad_sync(self, enabled: bool) -> None:
+        """Gradients accumulate in Megatron's grad buffers; they are reduced once, before the step."""
+
+    def clip_and_step(self, loss_sum: float = 0.0) -> tuple[float, bool]:
+        """Reduce the grad buffers over DP, then Megatron's optimizer clips and steps (skipped if not finite)."""
+        self.model.finish_grad_sync()
+        bad = 0.0 if math.isfinite(loss_sum) else 1.0
+        skipped = self.global_sum(bad) > 0
+        norm = float("nan")
+        if not skipped:
+            with megatron_cpu.cpu_devices():
+                ok, grad_norm, _ = self.optimizer.step()
+            norm = float(grad_norm) if grad_norm is not None else float("nan")
+            skipped = not ok or not math.isfinite(norm)
+        self.optimizer.zero_grad()
+        self.model.zero_grad_buffer()
+        return norm, skipped
+
+    # --- weights out -----------------------------------------------------------------------------
+    def _hf_tensors(self, dtype: torch.dtype, names=None) -> dict[str, torch.Tensor]:
+        """HF tensors (all, or those named) rebuilt from every TP rank's shards (a collective over the TP group)."""
+        local = self.hf_model.state_dict()
+        wanted = {megatron_source(n) for n in names} if names is not None else {
+            n for n in local if not n.endswith("._extra_state")}  # fmt: skip
+        shards = {}
+        for name in sorted(wanted):  # the same order on every rank
+            p = local[name].detach().contiguous()
+            parts = [torch.empty_like(p) for _ in range(self.tp_size)]
+            dist.all_gather(parts, p, group=self.tp_group)
+            shards[name] = parts
+        full = megatron_to_hf(shards, self.shape)
+        return {n: t.to(dtype) for n, t in full.items() if names is None or n in names}
+
+    def sync_plan(self, dtype: torch.dtype, bucket_bytes: int) -> SyncPlan:
+        """Bucket plan over the HF-named, HF-shaped tensors (as the engines hold them), cast to ``dtype``.
+
+        Not a collective (the broadcaster asks rank 0 alone): names and shapes are the HF checkpoint's.
+        """
+        return plan_buckets([(n, shape, dtype) for n, shape in self.hf_shapes.items()], bucket_bytes)
+
+    def gather_bucket(self, bucket: Bucket, dtype: torch.dtype) -> torch.Tensor | None:
+        """Collective (TP all-gather of the bucket's sources): the bucket as one flat HF-layout tensor on rank 0."""
+        full = self._hf_tensors(dtype, {m.name for m in bucket.tensors})
+        return pack(bucket, full) if self.rank == 0 else None
+
+    def hf_state(self, dtype: torch.dtype) -> tuple[dict[str, torch.Tensor] | None, None]:
+        """Collective: the HF-named weights on rank 0 (a tied head once), None elsewhere; no adapters."""
+        full = self._hf_tensors(dtype)
+        return (full if self.rank == 0 else None), None
+
+    # --- checkpoints ----------------------------------------------------------------------------
+    def save(self, path: str) -> None:
+        """Collective: model + optimizer as a ``dist_checkpointing`` checkpoint (reloadable at another TP size)."""
+        from megatron.core import dist_checkpointing
+
+        Path(path).mkdir(parents=True, exist_ok=True)
+        model_sd = self.hf_model.sharded_state_dict()
+        with megatron_cpu.cpu_devices():
+            state = {"model": model_sd, "optimizer": self.optimizer.sharded_state_dict(model_sd)}
+            dist_checkpointing.save(state, path)
+        torch.save(self.rng_state(), Path(path) / f"rng_rank{self.rank}.pt")
+
+    def load(self, path: str, optimizer: bool = True) -> None:
+        """Collective: load a ``save`` checkpoint, resharding to this TP size (``optimizer=False``: weights only)."""
+        from megatron.core import dist_checkpointing
+
+        with megatron_cpu.cpu_devices():
+            model_sd = self.hf_model.sharded_state_dict()
+            wanted = {"model": model_sd}
+            if optimizer:
+                wanted["optimizer"] = self.optimizer.sharded_state_dict(model_sd, is_loading=True)
+            state = dist_checkpointing.load(wanted, path)
+            self.hf_model.load_state_dict(state["model"], strict=False)
+            if optimizer:
+                self.optimizer.load_state_dict(state["optimizer"])
+        rng = Path(path) / f"rng_rank{self.rank}.pt"
+        if rng.exists():
+            torch.set_rng_state(torch.load(rng)["cpu"])
+
+    def rng_state(self) -> dict:
+        """The rank's CPU RNG state."""
+        return {"cpu": torch.get_rng_state()}

@@ -1,0 +1,183 @@
+"""HF Llama/Qwen2 <-> megatron-core GPT weights: names, layouts and tensor-parallel splits (pure functions).
+
+Megatron's local-spec GPT names and layouts, per TP rank ``r`` of ``tp``:
+
+- ``embedding.word_embeddings.weight`` / ``output_layer.weight``: vocab rows ``r``-th of ``tp`` chunks.
+- ``decoder.layers.i.self_attention.linear_qkv.weight``: one block per KV group ``[q heads of the group, k, v]``
+  (each ``head_dim`` rows per head), groups split over ranks; ``.bias`` likewise (Qwen2).
+- ``linear_proj`` (o_proj) and ``mlp.linear_fc2`` (down_proj): input columns split.
+- ``mlp.linear_fc1.weight``: ``[gate rows of rank r, up rows of rank r]`` (SwiGLU halves split separately).
+- norms: replicated (``input_layernorm``, ``pre_mlp_layernorm``, ``decoder.final_layernorm``).
+
+``hf_to_megatron`` gives one rank's shard; ``megatron_to_hf`` takes every rank's shard of each tensor (rank
+order) and rebuilds the HF tensors. Both only slice, concatenate and reshape, so a round trip is bit-exact.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class GPTShape:
+    """What the conversion needs to know about the architecture."""
+
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict) -> GPTShape:
+        """From an HF ``config.json`` dict of model_type ``llama`` or ``qwen2``.
+
+        Raises:
+            ValueError: for another model type.
+
+        """
+        if cfg.get("model_type") not in ("llama", "qwen2"):
+            raise ValueError(
+                f"model_type must be 'llama' or 'qwen2' for the Megatron backend, got {cfg.get('model_type')!r}"
+            )
+        heads = cfg["num_attention_heads"]
+        return cls(
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=cfg["model_type"] == "qwen2" or bool(cfg.get("attention_bias", False)),
+        )
+
+
+_HF_LAYER = "model.layers.{}."
+_MG_LAYER = "decoder.layers.{}."
+# one-to-one tensors: HF suffix -> (Megatron suffix, TP split dim or None for replicated)
+_DIRECT = {
+    "input_layernorm.weight": ("input_layernorm.weight", None),
+    "post_attention_layernorm.weight": ("pre_mlp_layernorm.weight", None),
+    "self_attn.o_proj.weight": ("self_attention.linear_proj.weight", 1),
+    "mlp.down_proj.weight": ("mlp.linear_fc2.weight", 1),
+}
+_TOP = {
+    "model.embed_tokens.weight": ("embedding.word_embeddings.weight", 0),
+    "model.norm.weight": ("decoder.final_layernorm.weight", None),
+    "lm_head.weight": ("output_layer.weight", 0),
+}
+
+
+def _qkv_blocks(s: GPTShape, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """HF q/k/v (weights ``[rows, H]`` or biases ``[rows]``) -> Megatron's grouped layout ``[groups, per, d, ...]``."""
+    per = s.num_heads // s.num_kv_heads
+    tail = q.shape[1:]
+    q = q.reshape(s.num_kv_heads, per, s.head_dim, *tail)
+    k = k.reshape(s.num_kv_heads, 1, s.head_dim, *tail)
+    v = v.reshape(s.num_kv_heads, 1, s.head_dim, *tail)
+    return torch.cat([q, k, v], dim=1)
+
+
+def hf_to_megatron(hf: dict[str, torch.Tensor], s: GPTShape, tp: int, rank: int) -> dict[str, torch.Tensor]:
+    """TP rank ``rank``'s Megatron shard of the HF state dict ``hf``.
+
+    Raises:
+        ValueError: if KV heads, vocab or MLP rows do not split over ``tp``, or a tensor is missing.
+
+    """
+    if s.num_kv_heads % tp:
+        raise ValueError(f"tensor_model_parallel_size={tp} must divide num_key_value_heads={s.num_kv_heads}")
+    out = {}
+
+    def split(t: torch.Tensor, dim: int | None, name: str) -> torch.Tensor:
+        if dim is None:
+            return t.clone()
+        if t.shape[dim] % tp:
+            raise ValueError(f"{name}: dim {dim} of size {t.shape[dim]} does not split over {tp} TP ranks")
+        return t.chunk(tp, dim=dim)[rank].clone()
+
+    for hf_name, (mg_name, dim) in _TOP.items():
+        if hf_name == "lm_head.weight" and s.tie_word_embeddings:
+            continue
+        out[mg_name] = split(hf[hf_name], dim, hf_name)
+    for i in range(s.num_layers):
+        h, m = _HF_LAYER.format(i), _MG_LAYER.format(i)
+        for suffix, (mg_suffix, dim) in _DIRECT.items():
+            out[m + mg_suffix] = split(hf[h + suffix], dim, h + suffix)
+        kinds = ("weight", "bias") if s.qkv_bias else ("weight",)
+        for kind in kinds:
+            blocks = _qkv_blocks(s, *(hf[f"{h}self_attn.{p}_proj.{kind}"] for p in "qkv"))
+            mine = blocks.chunk(tp, dim=0)[rank]
+            out[f"{m}self_attention.linear_qkv.{kind}"] = mine.reshape(-1, *blocks.shape[3:]).clone()
+        gate, up = hf[h + "mlp.gate_proj.weight"], hf[h + "mlp.up_proj.weight"]
+        out[m + "mlp.linear_fc1.weight"] = torch.cat(
+            [split(gate, 0, h + "mlp.gate_proj.weight"), split(up, 0, h + "mlp.up_proj.weight")]
+        )
+    return out
+
+
+_LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_HF_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+
+def megatron_source(hf_name: str) -> str:
+    """The Megatron tensor an HF tensor is cut from (q/k/v share ``linear_qkv``, gate/up share ``linear_fc1``).
+
+    Raises:
+        ValueError: for an HF name it does not know.
+
+    """
+    if hf_name in _TOP:
+        return _TOP[hf_name][0]
+    match = _HF_LAYER_RE.match(hf_name)
+    if match:
+        m, suffix = _MG_LAYER.format(match[1]), match[2]
+        if suffix in _DIRECT:
+            return m + _DIRECT[suffix][0]
+        if suffix.startswith("self_attn.") and suffix.split(".")[1] in ("q_proj", "k_proj", "v_proj"):
+            return m + "self_attention.linear_qkv." + suffix.rsplit(".", 1)[1]
+        if suffix in ("mlp.gate_proj.weight", "mlp.up_proj.weight"):
+            return m + "mlp.linear_fc1.weight"
+    raise ValueError(f"megatron_source: unknown HF tensor {hf_name!r}")
+
+
+def megatron_to_hf(shards: dict[str, list[torch.Tensor]], s: GPTShape) -> dict[str, torch.Tensor]:
+    """HF state dict from every TP rank's shard of each Megatron tensor (``shards[name][r]``, rank order).
+
+    Raises:
+        ValueError: for a Megatron name it does not know.
+
+    """
+    per = s.num_heads // s.num_kv_heads
+    top = {mg: (hf, dim) for hf, (mg, dim) in _TOP.items()}
+    direct = {mg: (hf, dim) for hf, (mg, dim) in _DIRECT.items()}
+    out = {}
+    for name, parts in shards.items():
+        if name in top:
+            hf_name, dim = top[name]
+            out[hf_name] = parts[0].clone() if dim is None else torch.cat(parts, dim=dim)
+            continue
+        match = _LAYER_RE.match(name)
+        if not match:
+            raise ValueError(f"megatron_to_hf: unknown tensor {name!r}")
+        h, suffix = _HF_LAYER.format(match[1]), match[2]
+        if suffix in direct:
+            hf_suffix, dim = direct[suffix]
+            out[h + hf_suffix] = parts[0].clone() if dim is None else torch.cat(parts, dim=dim)
+        elif suffix.startswith("self_attention.linear_qkv."):
+            kind = suffix.rsplit(".", 1)[1]
+            full = torch.cat(parts, dim=0)
+            blocks = full.reshape(s.num_kv_heads, per + 2, s.head_dim, *full.shape[1:])
+            out[f"{h}self_attn.q_proj.{kind}"] = blocks[:, :per].reshape(-1, *full.shape[1:]).clone()
+            out[f"{h}self_attn.k_proj.{kind}"] = blocks[:, per].reshape(-1, *full.shape[1:]).clone()
+            out[f"{h}self_attn.v_proj.{kind}"] = blocks[:, per + 1].reshape(-1, *full.shape[1:]).clone()
+        elif suffix == "mlp.linear_fc1.weight":
+            halves = [p.chunk(2, dim=0) for p in parts]
+            out[h + "mlp.gate_proj.weight"] = torch.cat([g for g, _ in halves])
+            out[h + "mlp.up_proj.weight"] = torch.cat([u for _, u in halves])
+        else:
+            raise ValueError(f"megatron_to_hf: unknown tensor {name!r}")
+    return out  # a tied LM head stays implicit, as in HF's named_parameters()

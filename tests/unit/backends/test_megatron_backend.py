@@ -1,0 +1,75 @@
+"""The Megatron backend at TP=1 in one process (gloo): same logprobs and the same GRPO step as the torch backend.
+
+TP=2, checkpoint resharding and the GRPO run with engines are in tests/e2e/test_megatron.py (several ranks).
+"""
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+pytestmark = pytest.mark.megatron
+
+from miles_ray.backends import OptimizerConfig, PPOClipLossConfig, TorchBackendConfig  # noqa: E402
+from miles_ray.backends.megatron_backend import MegatronBackend, MegatronBackendConfig  # noqa: E402
+from miles_ray.backends.objectives import GRPOAdvantageConfig  # noqa: E402
+from miles_ray.backends.torch_backend import TorchBackend  # noqa: E402
+
+from .test_torch_backend import _batch, process_group  # noqa: E402, F401  (module-scoped gloo group of one)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def model_parallel(process_group):  # noqa: F811
+    yield
+    from megatron.core import parallel_state as ps
+
+    ps.destroy_model_parallel()
+
+
+def _backends(path, lr=1e-2):
+    optim, loss = OptimizerConfig(lr=lr), PPOClipLossConfig()
+    megatron = MegatronBackend(MegatronBackendConfig(micro_batch_size=3), optim, loss, path)
+    torch_ = TorchBackend(TorchBackendConfig(parallel="ddp", micro_batch_size=3), optim, loss, path)
+    return megatron, torch_
+
+
+def test_same_logprobs_and_same_step_as_the_torch_backend(tiny_model_path, hf):
+    megatron, torch_ = _backends(tiny_model_path)
+    batch = _batch(GRPOAdvantageConfig())
+    m = batch.response_mask > 0
+    lp = megatron.compute_logprobs(batch, temperature=1.0)
+    torch.testing.assert_close(lp[m], torch_.compute_logprobs(batch, temperature=1.0)[m], atol=1e-5, rtol=1e-5)
+    a, b = megatron.train_step(batch, temperature=1.0), torch_.train_step(batch, temperature=1.0)
+    for key in ("loss", "grad_norm", "entropy", "num_tokens", "train_rollout_logprob_abs_diff_mean"):
+        assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
+    after = megatron.compute_logprobs(batch, temperature=1.0)
+    torch.testing.assert_close(after[m], torch_.compute_logprobs(batch, temperature=1.0)[m], atol=1e-4, rtol=1e-4)
+    assert (after[m] - lp[m]).abs().max() > 1e-3  # the weights moved
+    # what a sync sends: HF names and shapes, the trained weights
+    full, _ = megatron.hf_state(torch.float32)
+    ref = dict(torch_.hf_model.named_parameters())
+    assert set(full) == set(ref)
+    # Adam divides by sqrt(v): fp32 rounding differences of tiny gradients move a weight by a little of lr (1e-2)
+    assert max((full[n] - ref[n].detach()).abs().max().item() for n in ref) < 2e-4
+
+
+def test_config_errors_name_the_field(tiny_model_path):
+    with pytest.raises(ValueError, match="pipeline_model_parallel_size"):
+        MegatronBackendConfig(parallel={"pipeline_model_parallel_size": 2})
+    with pytest.raises(ValueError, match="sequence_parallel needs tensor_model_parallel_size > 1"):
+        MegatronBackendConfig(parallel={"sequence_parallel": True})
+    with pytest.raises(ValueError, match="transformer_args may not set \\['hidden_size'\\]"):
+        MegatronBackendConfig(transformer_args={"hidden_size": 8})
+    with pytest.raises(ValueError, match="'no_such_field'\\] are not megatron TransformerConfig fields"):
+        MegatronBackend(MegatronBackendConfig(transformer_args={"no_such_field": 1}), OptimizerConfig(),
+                        PPOClipLossConfig(), tiny_model_path)  # fmt: skip
+
+
+def test_cpu_shim_maps_only_what_megatron_needs():
+    from miles_ray.backends import megatron_cpu
+
+    assert megatron_cpu.apply() is True  # no CUDA here: patched (idempotent)
+    assert torch.cuda.current_device() == torch.device("cpu")
+    with megatron_cpu.cpu_devices():
+        t = torch.zeros(2, device="cuda")
+        assert t.device.type == "cpu" and t.type() == "torch.cuda.FloatTensor" and t.cuda() is t
+    assert torch.zeros(1).type() == "torch.FloatTensor"  # outside the context nothing is rewritten

@@ -179,6 +179,8 @@ with open(log_path, "a" if first_step else "w") as log, tqdm(range(first_step, a
             "staleness_mean": staleness,
             "step_skipped": metrics["step_skipped"],
         }  # fmt: skip
+        if "moe_route_mismatch_frac" in metrics:  # MoE: expert sets the trainer's routers pick unlike the rollout
+            record["moe_route_mismatch_frac"] = metrics["moe_route_mismatch_frac"]
         log.write(json.dumps(record) + "\n")
         log.flush()
         record_phases({"rollout": record["rollout_s"], "train": record["train_s"], "sync": record["sync_s"]})

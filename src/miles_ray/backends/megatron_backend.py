@@ -44,6 +44,7 @@ from miles_ray.backends.objectives import (
 from miles_ray.backends.torch_backend import TorchBackend
 from miles_ray.backends.torch_rank import rank_device
 from miles_ray.config import StrictConfig
+from miles_ray.models.llama import LlamaArgs
 from miles_ray.sync.plan import Bucket, SyncPlan, pack, plan_buckets
 
 # TransformerConfig fields this backend sets itself (from the HF config or the typed fields below)
@@ -108,7 +109,7 @@ class MegatronBackendConfig(StrictConfig):
         return self
 
 
-def _transformer_config(hf: dict, config: MegatronBackendConfig):
+def _transformer_config(hf: dict, args: LlamaArgs, config: MegatronBackendConfig):
     import dataclasses
 
     from megatron.core.transformer import TransformerConfig
@@ -120,31 +121,23 @@ def _transformer_config(hf: dict, config: MegatronBackendConfig):
     if hf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act must be 'silu' for the Megatron backend, got {hf.get('hidden_act')!r}")
     p = config.parallel
-    shape = GPTShape.from_hf_config(hf)
     bf16 = config.dtype == "bfloat16"
-    args = {
+    extra = {
         "attention_dropout": 0.0, "hidden_dropout": 0.0, "bias_dropout_fusion": False, "apply_rope_fusion": False,
         "masked_softmax_fusion": False, "persist_layer_norm": False, **config.transformer_args,
     }  # fmt: skip
     return TransformerConfig(
-        num_layers=shape.num_layers, hidden_size=hf["hidden_size"], num_attention_heads=shape.num_heads,
-        num_query_groups=shape.num_kv_heads, kv_channels=shape.head_dim, ffn_hidden_size=hf["intermediate_size"],
-        normalization="RMSNorm", layernorm_epsilon=hf["rms_norm_eps"], gated_linear_unit=True,
-        activation_func=torch.nn.functional.silu, add_bias_linear=False, add_qkv_bias=shape.qkv_bias,
+        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_heads,
+        num_query_groups=args.num_kv_heads, kv_channels=args.head_dim, ffn_hidden_size=args.intermediate_size,
+        normalization="RMSNorm", layernorm_epsilon=args.rms_norm_eps, gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu, add_bias_linear=False, add_qkv_bias=args.attention_bias,
         tensor_model_parallel_size=p.tensor_model_parallel_size,
         pipeline_model_parallel_size=p.pipeline_model_parallel_size, context_parallel_size=p.context_parallel_size,
         expert_model_parallel_size=p.expert_model_parallel_size, sequence_parallel=p.sequence_parallel,
         recompute_granularity=p.recompute_granularity, recompute_method=p.recompute_method,
         recompute_num_layers=p.recompute_num_layers, params_dtype=torch.bfloat16 if bf16 else torch.float32,
-        bf16=bf16, use_cpu_initialization=True, gradient_accumulation_fusion=False, **args,
+        bf16=bf16, use_cpu_initialization=True, gradient_accumulation_fusion=False, **extra,
     )  # fmt: skip
-
-
-def _rope_theta(hf: dict) -> float:
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        raise ValueError(f"rope scaling {rope} is not supported by the Megatron backend (only the default RoPE)")
-    return float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
 
 
 def build_gpt(model_path: str, config: MegatronBackendConfig):
@@ -163,15 +156,16 @@ def build_gpt(model_path: str, config: MegatronBackendConfig):
     from safetensors.torch import load_file
 
     hf = json.loads((Path(model_path) / "config.json").read_text())
-    shape = GPTShape.from_hf_config(hf)
-    tconfig = _transformer_config(hf, config)
+    shape = GPTShape.from_hf_config(hf)  # refuses what the Megatron spec does not cover
+    args = LlamaArgs.from_hf_config(hf)
+    tconfig = _transformer_config(hf, args, config)
     tp = config.parallel.tensor_model_parallel_size
-    if hf["vocab_size"] % tp:
-        raise ValueError(f"vocab_size={hf['vocab_size']} does not split over tensor_model_parallel_size={tp}")
+    if args.vocab_size % tp:
+        raise ValueError(f"vocab_size={args.vocab_size} does not split over tensor_model_parallel_size={tp}")
     model = GPTModel(
         config=tconfig, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
-        vocab_size=hf["vocab_size"], max_sequence_length=hf.get("max_position_embeddings", 4096),
-        position_embedding_type="rope", rotary_base=_rope_theta(hf),
+        vocab_size=args.vocab_size, max_sequence_length=hf.get("max_position_embeddings", 4096),
+        position_embedding_type="rope", rotary_base=args.rope_theta,
         share_embeddings_and_output_weights=shape.tie_word_embeddings,
     )  # fmt: skip
     state = {}

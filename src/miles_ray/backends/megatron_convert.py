@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from miles_ray.models.llama import LlamaArgs
+
 
 @dataclass(frozen=True)
 class GPTShape:
@@ -33,26 +35,23 @@ class GPTShape:
     qkv_bias: bool
 
     @classmethod
+    def from_args(cls, a: LlamaArgs) -> GPTShape:
+        """From the parsed HF config of a dense Llama/Qwen2 (``LlamaArgs.from_hf_config``)."""
+        return cls(a.num_layers, a.num_heads, a.num_kv_heads, a.head_dim, a.tie_word_embeddings, a.attention_bias)
+
+    @classmethod
     def from_hf_config(cls, cfg: dict) -> GPTShape:
         """From an HF ``config.json`` dict of model_type ``llama`` or ``qwen2``.
 
         Raises:
-            ValueError: for another model type.
+            ValueError: for another model type, or what ``LlamaArgs.from_hf_config`` refuses.
 
         """
         if cfg.get("model_type") not in ("llama", "qwen2"):
             raise ValueError(
                 f"model_type must be 'llama' or 'qwen2' for the Megatron backend, got {cfg.get('model_type')!r}"
             )
-        heads = cfg["num_attention_heads"]
-        return cls(
-            num_layers=cfg["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=cfg["model_type"] == "qwen2" or bool(cfg.get("attention_bias", False)),
-        )
+        return cls.from_args(LlamaArgs.from_hf_config(cfg))
 
 
 _HF_LAYER = "model.layers.{}."

@@ -68,7 +68,7 @@ class LlamaArgs:
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type != "default":
-            raise ValueError(f"rope_type {rope_type!r} is not supported by the embedded engine (only 'default')")
+            raise ValueError(f"rope_type {rope_type!r} is not supported (only 'default' RoPE)")
         theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
         num_heads = cfg["num_attention_heads"]
         return cls(

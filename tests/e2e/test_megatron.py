@@ -66,6 +66,28 @@ def test_tp2_equals_tp1_and_a_tp2_checkpoint_reloads_at_tp1(make_placement, tiny
         torch.testing.assert_close(torch.tensor(lp), ref, atol=1e-5, rtol=1e-5)
 
 
+def test_two_data_parallel_tp2_groups_equal_one_rank(make_placement, tiny_model_path, tmp_path):
+    """4 ranks = 2 DP x 2 TP: each TP group trains on its half of the batch; same step as one rank on all of it."""
+    one = TrainerGroup.remote(_megatron(tiny_model_path, 1), make_placement(placement.colocated(1)))
+    four = TrainerGroup.remote(_megatron(tiny_model_path, 2, num_ranks=4), make_placement(placement.colocated(4)))
+    batch = synthetic_group(0) + synthetic_group(1, first_token=7)
+    m1, m4 = ray.get([one.train_step.remote(batch), four.train_step.remote(batch)])
+    for key in ("loss", "grad_norm", "entropy", "num_tokens"):
+        assert m4[key] == pytest.approx(m1[key], rel=1e-4, abs=1e-6), key  # the GRPO loss is ~0 at ratio 1
+    after1, after4 = ray.get([one.compute_logprobs.remote(batch), four.compute_logprobs.remote(batch)])
+    torch.testing.assert_close(_flat(after4), _flat(after1), atol=1e-5, rtol=1e-5)
+    from safetensors.torch import load_file  # the export comes from rank 0's TP group alone
+
+    ray.get(
+        [
+            one.export_hf.remote(str(tmp_path / "one"), "float32"),
+            four.export_hf.remote(str(tmp_path / "four"), "float32"),
+        ]
+    )
+    a, b = load_file(tmp_path / "one" / "model.safetensors"), load_file(tmp_path / "four" / "model.safetensors")
+    assert set(a) == set(b) and max((a[n] - b[n]).abs().max().item() for n in a) < 2e-4
+
+
 def test_untrained_export_round_trips_bit_exact(make_placement, tiny_model_path, tmp_path):
     """HF -> Megatron (TP=2 shards) -> HF without a step in between is the same bits."""
     from safetensors.torch import load_file

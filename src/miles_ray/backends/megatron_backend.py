@@ -6,7 +6,7 @@ megatron-core's ``GPTModel`` with the pure-PyTorch ("local") layer spec, so it r
 as on GPUs (Transformer Engine is not required); weights come in from the HF directory
 (``megatron_convert.hf_to_megatron``), train under Megatron's DDP and optimizer (``get_megatron_optimizer``),
 save to / load from ``dist_checkpointing`` checkpoints that reload under another TP size, and leave as
-HF-named tensors (all-gathered over the TP group) for the weight broadcaster.
+HF-named tensors (gathered from rank 0's TP group) for the weight broadcaster.
 
 The loss, advantages, KL and mismatch corrections are the torch backend's (``TorchBackend.train_step``): this
 class provides the same primitives (``forward_logprobs`` with vocab-parallel logprobs and entropy, gradient
@@ -306,16 +306,24 @@ class MegatronBackend(TorchBackend):
 
     # --- weights out -----------------------------------------------------------------------------
     def _hf_tensors(self, dtype: torch.dtype, names=None) -> dict[str, torch.Tensor]:
-        """HF tensors (all, or those named) rebuilt from every TP rank's shards (a collective over the TP group)."""
+        """On rank 0: HF tensors (all, or those named) rebuilt from its TP group's shards; elsewhere ``{}``.
+
+        Collective over rank 0's TP group only (a gather to rank 0); the other data-parallel replicas hold the
+        same weights and do nothing.
+        """
+        if self.dp_rank != 0:
+            return {}
         local = self.hf_model.state_dict()
         wanted = {megatron_source(n) for n in names} if names is not None else {
             n for n in local if not n.endswith("._extra_state")}  # fmt: skip
         shards = {}
-        for name in sorted(wanted):  # the same order on every rank
+        for name in sorted(wanted):  # the same order on every rank of the group
             p = local[name].detach().contiguous()
-            parts = [torch.empty_like(p) for _ in range(self.tp_size)]
-            dist.all_gather(parts, p, group=self.tp_group)
+            parts = [torch.empty_like(p) for _ in range(self.tp_size)] if self.tp_rank == 0 else None
+            dist.gather(p, parts, group=self.tp_group, group_dst=0)
             shards[name] = parts
+        if self.rank != 0:
+            return {}
         full = megatron_to_hf(shards, self.shape)
         return {n: t.to(dtype) for n, t in full.items() if names is None or n in names}
 
@@ -327,7 +335,7 @@ class MegatronBackend(TorchBackend):
         return plan_buckets([(n, shape, dtype) for n, shape in self.hf_shapes.items()], bucket_bytes)
 
     def gather_bucket(self, bucket: Bucket, dtype: torch.dtype) -> torch.Tensor | None:
-        """Collective (TP all-gather of the bucket's sources): the bucket as one flat HF-layout tensor on rank 0."""
+        """Collective (gather of the bucket's sources to rank 0): the bucket as one flat HF-layout tensor on rank 0."""
         full = self._hf_tensors(dtype, {m.name for m in bucket.tensors})
         return pack(bucket, full) if self.rank == 0 else None
 
@@ -346,25 +354,16 @@ class MegatronBackend(TorchBackend):
         with megatron_cpu.cpu_devices():
             state = {"model": model_sd, "optimizer": self.optimizer.sharded_state_dict(model_sd)}
             dist_checkpointing.save(state, path)
-        torch.save(self.rng_state(), Path(path) / f"rng_rank{self.rank}.pt")
+        self.save_rng(path)
 
-    def load(self, path: str, optimizer: bool = True) -> None:
-        """Collective: load a ``save`` checkpoint, resharding to this TP size (``optimizer=False``: weights only)."""
+    def load(self, path: str) -> None:
+        """Collective: load a ``save`` checkpoint (model + optimizer), resharding to this TP size."""
         from megatron.core import dist_checkpointing
 
         with megatron_cpu.cpu_devices():
             model_sd = self.hf_model.sharded_state_dict()
-            wanted = {"model": model_sd}
-            if optimizer:
-                wanted["optimizer"] = self.optimizer.sharded_state_dict(model_sd, is_loading=True)
+            wanted = {"model": model_sd, "optimizer": self.optimizer.sharded_state_dict(model_sd, is_loading=True)}
             state = dist_checkpointing.load(wanted, path)
             self.hf_model.load_state_dict(state["model"], strict=False)
-            if optimizer:
-                self.optimizer.load_state_dict(state["optimizer"])
-        rng = Path(path) / f"rng_rank{self.rank}.pt"
-        if rng.exists():
-            torch.set_rng_state(torch.load(rng)["cpu"])
-
-    def rng_state(self) -> dict:
-        """The rank's CPU RNG state."""
-        return {"cpu": torch.get_rng_state()}
+            self.optimizer.load_state_dict(state["optimizer"])
+        self.load_rng(path)

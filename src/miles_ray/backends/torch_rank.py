@@ -126,6 +126,10 @@ class TorchRank:
 
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+        self.save_rng(path)
+
+    def save_rng(self, path: str) -> None:
+        """Write this rank's RNG states into checkpoint directory ``path``."""
         torch.save(self.rng_state(), os.path.join(path, f"rng_rank{self.rank}.pt"))
 
     def rng_state(self) -> dict:
@@ -144,6 +148,10 @@ class TorchRank:
         state = {"model": model_sd, "optim": optim_sd}
         dcp.load(state, checkpoint_id=path)
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        self.load_rng(path)
+
+    def load_rng(self, path: str) -> None:
+        """Restore this rank's RNG states from checkpoint directory ``path``, if it holds them."""
         rng = os.path.join(path, f"rng_rank{self.rank}.pt")
         if os.path.exists(rng):  # absent when loading at a larger rank count than saved, or an older checkpoint
             saved = torch.load(rng)

@@ -172,25 +172,6 @@ def apply_weight_format(
     return names
 
 
-def quantize_linears_(
-    model: torch.nn.Module, fmt: Format, block: int = 128, skip: tuple[str, ...] = ("lm_head",)
-) -> list[str]:
-    """Round every ``nn.Linear`` weight of ``model`` through ``fmt`` in place (emulated low-precision weights).
-
-    The LM head stays in full precision, as FP8/INT4 recipes keep it (and the embeddings, which are not linear).
-
-    Returns:
-        The names of the weights rounded.
-
-    """
-    names = []
-    with torch.no_grad():
-        for name, module in _targets(model, skip):
-            module.weight.copy_(quant_dequant(module.weight, fmt, block))
-            names.append(f"{name}.weight")
-    return names
-
-
 __all__ = [
     "FakeQuantLinear",
     "RoundedLinear",
@@ -202,5 +183,4 @@ __all__ = [
     "int4_dequantize",
     "int4_groupwise",
     "quant_dequant",
-    "quantize_linears_",
 ]

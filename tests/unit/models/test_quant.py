@@ -5,13 +5,14 @@ import torch
 
 from miles_ray.models.quant import (
     FP8_MAX,
+    WeightFormatConfig,
+    apply_weight_format,
     fake_quant,
     fp8_blockwise,
     fp8_dequantize,
     int4_dequantize,
     int4_groupwise,
     quant_dequant,
-    quantize_linears_,
 )
 
 
@@ -70,12 +71,12 @@ def test_fake_quant_forward_is_quantised_and_backward_is_identity():
         quant_dequant(w, "nf4")
 
 
-def test_quantize_linears_keeps_the_lm_head():
+def test_weight_format_keeps_the_lm_head():
     model = torch.nn.Sequential()
     model.add_module("proj", torch.nn.Linear(130, 200))
     model.add_module("lm_head", torch.nn.Linear(200, 50))
     head = model.lm_head.weight.detach().clone()
-    assert quantize_linears_(model, "int4", 32) == ["proj.weight"]
-    assert torch.equal(model.lm_head.weight, head)
-    w = model.proj.weight.detach()
+    assert apply_weight_format(model, WeightFormatConfig(format="int4", block=32), "engine") == ["proj"]
+    assert type(model.lm_head) is torch.nn.Linear and torch.equal(model.lm_head.weight, head)
+    w = model.proj.rounded
     torch.testing.assert_close(quant_dequant(w, "int4", 32), w, rtol=1e-6, atol=0)

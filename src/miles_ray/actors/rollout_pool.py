@@ -31,6 +31,7 @@ from miles_ray.engines.base import Completion, GenerateOutput, GenerateRequest
 from miles_ray.engines.embedded import EmbeddedEngine, EmbeddedEngineConfig
 from miles_ray.engines.http_server import HttpServerConfig
 from miles_ray.engines.loop import EngineLoop
+from miles_ray.engines.sglang import SGLangEngineConfig
 from miles_ray.engines.vllm import VLLMEngineConfig
 from miles_ray.placement.groups import Placement
 from miles_ray.sync.plan import SyncPlan, unpack
@@ -44,13 +45,13 @@ class RolloutPoolConfig(StrictConfig):
     """How many engines, of which kind, and whether they serve HTTP."""
 
     num_engines: int = Field(1, ge=1, le=4096, description="Engine actors in the pool (one per engine slot).")
-    engine: EmbeddedEngineConfig | VLLMEngineConfig = Field(
-        ..., description="Per-engine config, selected by `kind` (embedded, the default when omitted | vllm)."
+    engine: EmbeddedEngineConfig | VLLMEngineConfig | SGLangEngineConfig = Field(
+        ..., description="Per-engine config, selected by `kind` (embedded, the default when omitted | vllm | sglang)."
     )
     http: HttpServerConfig | None = Field(
         None,
         description="Start each embedded engine's HTTP server (SGLang-native + OpenAI API); None: Ray calls only. "
-        "vLLM engines always serve their own OpenAI API.",
+        "vLLM and SGLang engines always serve their own API.",
     )
 
     @field_validator("engine", mode="before")
@@ -60,7 +61,7 @@ class RolloutPoolConfig(StrictConfig):
         # before vLLM existed) and errors keep the plain path (`engine.num_threads`, not `engine.embedded....`)
         if not isinstance(value, dict):
             return value
-        configs = {"embedded": EmbeddedEngineConfig, "vllm": VLLMEngineConfig}
+        configs = {"embedded": EmbeddedEngineConfig, "vllm": VLLMEngineConfig, "sglang": SGLangEngineConfig}
         kind = value.get("kind", "embedded")
         if kind not in configs:
             raise ValueError(f"engine.kind must be one of {sorted(configs)}, got {kind!r}")
@@ -86,6 +87,14 @@ class WeightReceiver:
     engine_id: int
     _sync_group = None
     accepts_adapters = True  # takes LoRA-only syncs (SyncPlan.adapter)
+
+    async def checksum_kind(self) -> str:
+        """``full``: the sync checksum covers every byte the engine holds (SGLang engines: ``probe``)."""
+        return "full"
+
+    async def sync_ranks(self) -> int:
+        """Ranks this engine adds to the broadcast group (an SGLang server: its TP size)."""
+        return 1
 
     async def takes_adapters(self) -> bool:
         """Whether this engine can load an adapter-only sync (the broadcaster asks before the first sync)."""
@@ -119,9 +128,9 @@ class WeightReceiver:
 
         def run() -> None:
             for bucket in plan.buckets:
-                flat = torch.empty(bucket.numel, dtype=bucket.dtype)
+                flat = torch.empty(bucket.nbytes, dtype=torch.uint8)
                 self._sync_group.broadcast(flat)
-                self._apply(unpack(bucket, flat))
+                self._apply(unpack(bucket, flat.view(bucket.dtype)))
 
         return await self._load(run, plan, version, verify, in_flight)
 
@@ -310,6 +319,10 @@ class RolloutPool:
             from miles_ray.actors.vllm_engine import VLLMEngineActor
 
             self._cls, self._args = VLLMEngineActor, lambda i: (i, config.engine, config.served_model_name)
+        elif config.engine.kind == "sglang":
+            from miles_ray.actors.sglang_engine import SGLangEngineActor
+
+            self._cls, self._args = SGLangEngineActor, lambda i: (i, config.engine, config.served_model_name)
         else:
             self._cls, self._args = EngineActor, lambda i: (i, config.engine)
         self._engines = placement.spawn(
@@ -321,7 +334,7 @@ class RolloutPool:
     def _start(self, engines: list) -> list[str] | None:
         # fail at setup, not on the first request: wait until every engine has loaded its model
         health = ray.get([e.health.remote() for e in engines])
-        if self.config.engine.kind == "vllm":
+        if self.config.engine.kind in ("vllm", "sglang"):  # server-backed: each serves its own HTTP API
             return [h["url"] for h in health]
         if self.config.http is not None:
             return ray.get([e.start_http.remote(self.config.http, self.config.served_model_name) for e in engines])

@@ -42,7 +42,7 @@ from miles_ray.backends.objectives import (
 from miles_ray.config import StrictConfig
 from miles_ray.hooks import HookContext, Hooks, TrainerHooksConfig
 from miles_ray.placement.groups import Placement
-from miles_ray.sync.checksum import buckets_checksum
+from miles_ray.sync.checksum import sent_checksums
 from miles_ray.sync.plan import SyncPlan
 from miles_ray.types import RolloutBatch, Sample
 
@@ -253,15 +253,15 @@ class TrainerWorker(RankWorker):
         for bucket in plan.buckets:
             yield bucket, self.backend.gather_bucket(bucket, bucket.dtype)
 
-    def broadcast_weights(self, plan: SyncPlan, verify: bool) -> str | None:
-        """Collective: gather each bucket; rank 0 broadcasts it. Returns rank 0's checksum if ``verify``."""
+    def broadcast_weights(self, plan: SyncPlan, verify: bool, kinds: tuple[str, ...] = ("full",)) -> dict | None:
+        """Collective: gather each bucket; rank 0 broadcasts it, and returns the ``kinds`` checksums if ``verify``."""
         sent = []
         for _, flat in self._gather(plan):
             if self.rank == 0:
-                self._sync_group.broadcast(flat)
+                self._sync_group.broadcast(flat.view(torch.uint8))  # bytes: SGLang's flattened_bucket layout
                 if verify:
                     sent.append(flat)
-        return buckets_checksum(plan, sent) if self.rank == 0 and verify else None
+        return sent_checksums(plan, sent, kinds) if self.rank == 0 and verify else None
 
     def put_weight_buckets(self, plan: SyncPlan) -> list | None:
         """Collective: gather each bucket; rank 0 puts it in the object store and returns the refs."""

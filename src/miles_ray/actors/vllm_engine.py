@@ -17,49 +17,19 @@ import time
 
 import torch
 
-from miles_ray.actors.rollout_pool import WeightReceiver
-from miles_ray.engines.base import GenerateOutput, GenerateRequest
+from miles_ray.actors.server_engine import ServerEngineActor
 from miles_ray.engines.vllm import VLLMEngineConfig, VLLMServer
 from miles_ray.sync.plan import SyncPlan
 
 
-class VLLMEngineActor(WeightReceiver):
+class VLLMEngineActor(ServerEngineActor):
     """One vLLM engine as an async actor (apply ``ray.remote`` via ``RolloutPool``)."""
 
+    kind = "vllm"
+
     def __init__(self, engine_id: int, config: VLLMEngineConfig, served_model_name: str = "policy"):
-        self.engine_id, self.config = engine_id, config
-        self.server = VLLMServer(config, served_model_name)
-        self.url = self.server.url
-        self._version, self._checksum = 0, None
-        self._outstanding, self._pending = 0, []
-        self._inflight: dict[str, asyncio.Task] = {}
-        self._ready = None
-
-    async def _started(self) -> None:
-        if self._ready is None:
-            self._ready = asyncio.ensure_future(self.server.wait_healthy())
-        await self._ready
-
-    # --- generation -----------------------------------------------------------------------------
-    async def generate(self, request: GenerateRequest) -> GenerateOutput:
-        """Sample ``request`` on the server (vLLM batches concurrent requests itself).
-
-        Raises:
-            ValueError: for a request vLLM rejects (e.g. too long for ``max_model_len``).
-
-        """
-        await self._started()
-        first, self._outstanding = self._version, self._outstanding + 1
-        task = asyncio.ensure_future(self.server.generate(request))
-        self._inflight[request.request_id] = task
-        try:
-            completions = await task
-        except asyncio.CancelledError:
-            completions = []  # aborted: vLLM drops the request when the connection closes
-        finally:
-            self._outstanding -= 1
-            self._inflight.pop(request.request_id, None)
-        return GenerateOutput(request.request_id, completions, self._version, self.engine_id, first)
+        super().__init__(engine_id, config, VLLMServer(config, served_model_name))
+        self._pending = []
 
     async def abort(self, request_id: str | None = None) -> None:
         """Cancel one request (all if None); its caller gets an output with no completions."""
@@ -82,29 +52,6 @@ class VLLMEngineActor(WeightReceiver):
         """Drop vLLM's prefix cache (it is also dropped after every weight load)."""
         await self._started()
         await self.server.post("/reset_prefix_cache")
-
-    async def health(self) -> dict:
-        """Liveness (waits for the server on the first call) plus load and the loaded weight version."""
-        await self._started()
-        self.server.check_alive()
-        return {"engine_id": self.engine_id, "outstanding": self._outstanding, "version": self._version,
-                "url": self.url, "kind": "vllm"}  # fmt: skip
-
-    async def shutdown(self) -> None:
-        """Stop the server process."""
-        await self.server.aclose()
-
-    def __del__(self):
-        self.server.close()
-
-    # --- weights --------------------------------------------------------------------------------
-    async def weight_version(self) -> int:
-        """Version of the loaded weights."""
-        return self._version
-
-    async def weights_checksum(self) -> str | None:
-        """Digest of the weights the vLLM worker last loaded (None before the first sync)."""
-        return self._checksum
 
     def _apply(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
         self._pending.extend(named_tensors)  # views into this sync's bucket buffers, alive until the load ends

@@ -30,7 +30,7 @@ from pydantic import Field
 
 from miles_ray.actors.rollout_pool import InFlight
 from miles_ray.config import StrictConfig
-from miles_ray.sync.checksum import buckets_checksum
+from miles_ray.sync.checksum import sent_checksums
 from miles_ray.sync.shm import as_tensor
 
 
@@ -76,8 +76,14 @@ class WeightBroadcaster:
                     f"engines {refusing} cannot load LoRA adapters (the trainer has backend.lora set, so syncs send "
                     "the adapters only): use embedded engines or train without LoRA"
                 )
+        self._kinds = self._checksum_kinds(self._engines)
         self._group_ready = False
         self._last: dict = {}
+
+    @staticmethod
+    def _checksum_kinds(engines: list) -> list[str]:
+        # "full": the engine hashes every byte it holds; "probe": the first values of each tensor (SGLang)
+        return ray.get([e.checksum_kind.remote() for e in engines])
 
     def _setup_group(self) -> None:
         import torch
@@ -86,10 +92,12 @@ class WeightBroadcaster:
         if backend == "auto":
             backend = "nccl" if torch.cuda.is_available() or ray.cluster_resources().get("GPU", 0) > 0 else "gloo"
         host, port = ray.get(self._workers[0].address.remote())
-        world = 1 + len(self._engines)
+        ranks = ray.get([e.sync_ranks.remote() for e in self._engines])  # an SGLang server joins with its TP ranks
+        offsets = [1 + sum(ranks[:i]) for i in range(len(ranks))]
+        world = 1 + sum(ranks)
         ray.get(
             [self._workers[0].join_sync_group.remote(host, port, world, backend)]
-            + [e.join_sync_group.remote(host, port, i + 1, world, backend) for i, e in enumerate(self._engines)]
+            + [e.join_sync_group.remote(host, port, off, world, backend) for off, e in zip(offsets, self._engines)]
         )
         self._group_ready = True
 
@@ -110,7 +118,8 @@ class WeightBroadcaster:
         if self.config.transport == "broadcast":
             if not self._group_ready:
                 self._setup_group()
-            sends = [w.broadcast_weights.remote(self._plan, verify) for w in self._workers]
+            kinds = tuple(sorted(set(self._kinds)))
+            sends = [w.broadcast_weights.remote(self._plan, verify, kinds) for w in self._workers]
             mode = self.config.in_flight
             recvs = [e.receive_broadcast.remote(self._plan, version, verify, mode) for e in self._engines]
             sent_checksum = ray.get(sends)[0]
@@ -128,7 +137,7 @@ class WeightBroadcaster:
             "gb_per_s": total / transfer_s / 1e9,
             "num_buckets": len(self._plan.buckets),
             "version": version,
-            "checksum": sent_checksum,
+            "checksum": (sent_checksum or {}).get("full", (sent_checksum or {}).get("probe")),
             "drain_seconds": max(r.get("drain_seconds", 0.0) for r in loaded),
         }
         from miles_ray import metrics as mx
@@ -137,11 +146,11 @@ class WeightBroadcaster:
         mx.counter("weight_sync_bytes_total", "Bytes sent per engine by weight syncs").inc(total)
         return dict(self._last)
 
-    def _push_through_store(self, engines: list, version: int) -> tuple[float, str | None, list[dict]]:
+    def _push_through_store(self, engines: list, version: int) -> tuple[float, dict | None, list[dict]]:
         """Rank 0 puts the buckets in the object store, ``engines`` load them.
 
         Returns:
-            ``(put seconds, sent checksum, load reports)``.
+            ``(put seconds, sent checksums by kind, load reports)``.
 
         """
         start = time.perf_counter()
@@ -150,20 +159,22 @@ class WeightBroadcaster:
         c = self.config
         loads = [e.load_buckets.remote(self._plan, refs, version, c.verify, c.in_flight) for e in engines]
         # the object-store copies are the bytes the trainer sent: hash them here while engines load
-        sent_checksum = self._checksum_refs(refs) if self.config.verify else None
+        kinds = self._kinds if engines is self._engines else self._checksum_kinds(engines)
+        sent_checksum = self._checksum_refs(refs, kinds) if self.config.verify else None
         loaded = ray.get(loads)
         del refs  # the buckets leave the object store once engines are done
         return put_s, sent_checksum, loaded
 
-    def _check(self, engines: list, loaded: list[dict], version: int, sent_checksum: str | None) -> None:
+    def _check(self, engines: list, loaded: list[dict], version: int, sent_checksum: dict | None) -> None:
         versions = ray.get([e.weight_version.remote() for e in engines])
         if any(v != version for v in versions):
             raise WeightSyncError(f"engines hold versions {versions} after syncing version {version}")
         if self.config.verify:
-            bad = [r["engine_id"] for r in loaded if r["checksum"] != sent_checksum]
+            kinds = self._kinds if engines is self._engines else self._checksum_kinds(engines)
+            bad = [(r["engine_id"], r["checksum"], sent_checksum[k]) for r, k in zip(loaded, kinds)
+                   if r["checksum"] != sent_checksum[k]]  # fmt: skip
             if bad:
-                held = [r["checksum"] for r in loaded if r["engine_id"] in bad]
-                raise WeightSyncError(f"engines {bad} hold checksums {held}, trainer sent {sent_checksum}")
+                raise WeightSyncError(f"engines hold other weights than the trainer sent (engine, held, sent): {bad}")
 
     def replace_engine(self, engine_id: int, engine, version: int) -> dict:
         """Put ``engine`` in place of engine ``engine_id`` (a respawned one) and load the trainer's weights into it.
@@ -190,7 +201,7 @@ class WeightBroadcaster:
         _, sent_checksum, loaded = self._push_through_store([engine], version)
         self._check([engine], loaded, version, sent_checksum)
         return {"engine_id": engine_id, "version": version, "seconds": time.perf_counter() - start,
-                "checksum": sent_checksum}  # fmt: skip
+                "checksum": loaded[0]["checksum"]}  # fmt: skip
 
     def set_trainer_workers(self, trainer_workers: list) -> None:
         """Drive new trainer rank actors (after ``TrainerGroup.restart``); the next sync re-forms the group."""
@@ -198,9 +209,9 @@ class WeightBroadcaster:
             raise ValueError("set_trainer_workers needs at least one trainer worker")
         self._workers, self._group_ready = list(trainer_workers), False
 
-    def _checksum_refs(self, refs: list) -> str:
+    def _checksum_refs(self, refs: list, kinds: list[str]) -> dict[str, str]:
         arrays = ray.get(refs)
-        return buckets_checksum(self._plan, (as_tensor(a, b.dtype) for b, a in zip(self._plan.buckets, arrays)))
+        return sent_checksums(self._plan, [as_tensor(a, b.dtype) for b, a in zip(self._plan.buckets, arrays)], kinds)
 
     def last_report(self) -> dict:
         """The report of the most recent sync."""

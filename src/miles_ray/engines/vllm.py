@@ -22,11 +22,8 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Literal
 
@@ -34,6 +31,7 @@ from pydantic import Field, model_validator
 
 from miles_ray.config import StrictConfig
 from miles_ray.engines.base import Completion, GenerateRequest
+from miles_ray.engines.server_process import ServerError, ServerProcess, check_passthrough, server_flags
 
 _EXT_DIR = Path(__file__).resolve().parent / "vllm_worker"
 # flags this module sets itself; vllm_args may not override them
@@ -70,32 +68,22 @@ class VLLMEngineConfig(StrictConfig):
 
     @model_validator(mode="after")
     def _check_args(self) -> VLLMEngineConfig:
-        clash = sorted(k for k in self.vllm_args if k.replace("_", "-") in _OWN_FLAGS)
-        if clash:
-            raise ValueError(f"vllm_args may not set {clash}: VLLMEngineConfig sets them (use its fields)")
+        check_passthrough(self.vllm_args, _OWN_FLAGS, "vllm_args", "VLLMEngineConfig")
         return self
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class VLLMError(RuntimeError):
+class VLLMError(ServerError):
     """The vLLM server failed to start or answered an error."""
 
 
-class VLLMServer:
+class VLLMServer(ServerProcess):
     """A vLLM OpenAI-compatible server as a child process, and an async client for it."""
+
+    name, error = "vLLM", VLLMError
 
     def __init__(self, config: VLLMEngineConfig, served_model_name: str = "policy"):
         self.config, self.model_name = config, served_model_name
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self._log = tempfile.NamedTemporaryFile(prefix="miles_ray_vllm_", suffix=".log", delete=False)
-        self._proc = subprocess.Popen(self.command(), env=self._env(), stdout=self._log, stderr=subprocess.STDOUT)
-        self._session = None
+        super().__init__(config.startup_timeout_s)
         shm = Path("/dev/shm")
         self._weights_dir = Path(tempfile.mkdtemp(prefix="miles_ray_vllm_w_", dir=shm if shm.is_dir() else None))
 
@@ -107,65 +95,16 @@ class VLLMServer:
         cmd += ["--dtype", c.dtype, "--max-model-len", str(c.max_model_len), "--seed", str(c.seed)]
         cmd += ["--logprobs-mode", "processed_logprobs", "--worker-extension-cls", "miles_ray_vllm_ext.WeightLoader"]
         cmd += ["--enable-prefix-caching" if c.enable_prefix_caching else "--no-enable-prefix-caching"]
-        for key, value in c.vllm_args.items():
-            flag = "--" + key.replace("_", "-")
-            cmd += [flag] if value is True else [] if value is False else [flag, str(value)]
-        return cmd
+        return cmd + server_flags(c.vllm_args)
 
-    def _env(self) -> dict[str, str]:
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_EXT_DIR), env.get("PYTHONPATH", "")) if p)
+    def env(self) -> dict[str, str]:
+        """Worker extension on the path, dev-mode routes, CPU KV cache size, then ``config.env``."""
+        env = {"PYTHONPATH": os.pathsep.join(p for p in (str(_EXT_DIR), os.environ.get("PYTHONPATH", "")) if p)}
         env["VLLM_SERVER_DEV_MODE"] = "1"  # pause/resume, collective_rpc, reset_prefix_cache
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(self.config.kv_cache_gb))))
-        env.update(self.config.env)
-        return env
-
-    def log_tail(self, num_chars: int = 3000) -> str:
-        """The end of the server's log (for error messages)."""
-        self._log.flush()
-        return Path(self._log.name).read_text(errors="replace")[-num_chars:]
-
-    def check_alive(self) -> None:
-        """Raise ``VLLMError`` (with the log's tail) if the server process has exited."""
-        if self._proc.poll() is not None:
-            raise VLLMError(f"vLLM server exited with {self._proc.returncode}:\n{self.log_tail()}")
-
-    async def _client(self):
-        import aiohttp
-
-        if self._session is None:
-            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
-        return self._session
-
-    async def wait_healthy(self) -> None:
-        """Poll ``/health`` until the server answers.
-
-        Raises:
-            VLLMError: if the process exits or the timeout passes (with the log's tail).
-
-        """
-        session, deadline = await self._client(), time.monotonic() + self.config.startup_timeout_s
-        while time.monotonic() < deadline:
-            self.check_alive()
-            try:
-                async with session.get(f"{self.url}/health") as resp:
-                    if resp.status == 200:
-                        return
-            except OSError:
-                pass
-            await asyncio.sleep(0.5)
-        raise VLLMError(f"vLLM server not healthy after {self.config.startup_timeout_s}s:\n{self.log_tail()}")
-
-    async def post(self, route: str, json: dict | None = None, params: dict | None = None) -> dict:
-        """POST to the server; a non-2xx answer raises ``VLLMError`` (``ValueError`` for a 400)."""
-        session = await self._client()
-        async with session.post(f"{self.url}{route}", json=json, params=params) as resp:
-            body = await resp.json(content_type=None) if resp.content_length != 0 else {}
-            if resp.status == 400:
-                raise ValueError(f"vLLM rejected the request: {body}")
-            if resp.status // 100 != 2:
-                raise VLLMError(f"vLLM {route} answered {resp.status}: {body}")
-            return body or {}
+        env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get(
+            "VLLM_CPU_KVCACHE_SPACE", str(max(1, round(self.config.kv_cache_gb)))
+        )
+        return {**env, **self.config.env}
 
     async def generate(self, request: GenerateRequest) -> list[Completion]:
         """The ``n`` completions of one request (token ids, processed logprobs, text, finish reason)."""
@@ -203,21 +142,9 @@ class VLLMServer:
             raise VLLMError(f"vLLM workers loaded different weights: {sorted(digests)}")
         return digests.pop() if verify else None
 
-    async def aclose(self) -> None:
-        """Close the HTTP client session, then ``close``."""
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
-        self.close()
-
     def close(self) -> None:
         """Stop the server process and remove its weights folder (idempotent)."""
-        if self._proc.poll() is None:
-            self._proc.terminate()
-            try:
-                self._proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
+        super().close()
         if self._weights_dir.exists():
             for f in self._weights_dir.glob("*"):
                 f.unlink(missing_ok=True)

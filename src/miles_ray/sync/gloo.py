@@ -1,13 +1,16 @@
 """Broadcast transport for disaggregated sync: one process group of the sending trainer rank and every engine.
 
-The group is made from its own ``TCPStore`` (not ``init_process_group``), so it lives beside the
-trainer's data-parallel group. ``backend="gloo"`` moves CPU tensors; on GPUs the same code path uses
-``ProcessGroupNCCL`` with CUDA buffers.
+The group is formed the way SGLang's ``/init_weights_update_group`` forms its side (a ``tcp://`` rendezvous,
+a ``PrefixStore`` named after the group, ``torch.distributed``'s own group constructor), so embedded engine
+actors and SGLang scheduler ranks join the same group as peers. It lives beside the trainer's data-parallel
+group. ``backend="gloo"`` moves CPU tensors; on GPUs the same code path uses NCCL with CUDA buffers.
+Buckets travel as bytes (``uint8``), SGLang's ``flattened_bucket`` layout: a one-dtype bucket's flat buffer
+viewed as bytes is exactly that layout.
 
 Usage (rank 0 is the sender)::
 
     group = BroadcastGroup.create("127.0.0.1", port, rank, world_size)
-    group.broadcast(flat)        # in place on receivers
+    group.broadcast(flat.view(torch.uint8))        # in place on receivers
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ import datetime
 
 import torch
 import torch.distributed as dist
+
+GROUP_NAME = "miles_ray_weight_sync"
 
 
 class BroadcastGroup:
@@ -26,7 +31,14 @@ class BroadcastGroup:
 
     @classmethod
     def create(
-        cls, host: str, port: int, rank: int, world_size: int, backend: str = "gloo", timeout_s: float = 300.0
+        cls,
+        host: str,
+        port: int,
+        rank: int,
+        world_size: int,
+        backend: str = "gloo",
+        timeout_s: float = 300.0,
+        group_name: str = GROUP_NAME,
     ) -> BroadcastGroup:
         """Join the group; rank 0 hosts the rendezvous store. Blocks until all ranks joined.
 
@@ -34,22 +46,24 @@ class BroadcastGroup:
             ValueError: for a backend other than gloo/nccl.
 
         """
-        timeout = datetime.timedelta(seconds=timeout_s)
-        store = dist.TCPStore(host, port, world_size, rank == 0, timeout=timeout)
-        prefixed = dist.PrefixStore("miles_ray_weight_sync", store)
-        if backend == "gloo":
-            pg = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
-        elif backend == "nccl":
-            pg = dist.ProcessGroupNCCL(prefixed, rank, world_size)
-        else:
+        from torch.distributed.distributed_c10d import Backend, _new_process_group_helper, _world, rendezvous
+
+        if backend not in ("gloo", "nccl"):
             raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store, _, _ = next(rendezvous(f"tcp://{host}:{port}", rank, world_size, timeout=timeout))
+        store.set_timeout(timeout)
+        store = dist.PrefixStore(group_name, store)
+        pg, _ = _new_process_group_helper(
+            world_size, rank, [], Backend(backend), store, group_name=group_name, backend_options=None,
+            timeout=timeout, device_id=None,
+        )  # fmt: skip
+        _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
         return cls(pg, store, rank, world_size)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Broadcast ``tensor`` from ``src`` in place."""
-        opts = dist.BroadcastOptions()
-        opts.rootRank = src
-        self.pg.broadcast([tensor], opts).wait()
+        dist.broadcast(tensor, src=src, group=self.pg)
         return tensor
 
     def barrier(self) -> None:

@@ -32,7 +32,7 @@ def test_pool_config_selects_the_engine_by_kind():
     pool = RolloutPoolConfig(engine={"kind": "vllm", "model_path": "/m"})
     assert isinstance(pool.engine, VLLMEngineConfig)
     assert RolloutPoolConfig(engine={"model_path": "/m"}).engine.kind == "embedded"  # kind may be omitted
-    with pytest.raises(ValueError, match=r"engine.kind must be one of \['embedded', 'vllm'\], got 'sglang'"):
-        RolloutPoolConfig(engine={"kind": "sglang", "model_path": "/m"})
+    with pytest.raises(ValueError, match=r"engine.kind must be one of \['embedded', 'sglang', 'vllm'\], got 'tgi'"):
+        RolloutPoolConfig(engine={"kind": "tgi", "model_path": "/m"})
     with pytest.raises(ValueError, match="http applies to embedded engines"):
         RolloutPoolConfig(engine={"kind": "vllm", "model_path": "/m"}, http=HttpServerConfig())

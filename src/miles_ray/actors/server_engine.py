@@ -1,0 +1,75 @@
+"""ServerEngineActor: what the vLLM and SGLang engine actors share, an engine that is a server child process.
+
+The actor owns one ``ServerProcess`` (``self.server``), waits for its health on first use, tracks outstanding
+requests for the Router, and records the weight version and checksum of the last load. Subclasses add the
+engine's own pause/abort/cache routes and weight loading (``receive_broadcast`` / ``load_buckets``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from miles_ray.actors.rollout_pool import WeightReceiver
+from miles_ray.engines.base import GenerateOutput, GenerateRequest
+from miles_ray.engines.server_process import ServerProcess
+
+
+class ServerEngineActor(WeightReceiver):
+    """Base of engine actors whose engine is a server process (apply ``ray.remote`` via ``RolloutPool``)."""
+
+    kind = "server"
+
+    def __init__(self, engine_id: int, config, server: ServerProcess):
+        self.engine_id, self.config, self.server = engine_id, config, server
+        self.url = server.url
+        self._version, self._checksum = 0, None
+        self._outstanding = 0
+        self._inflight: dict[str, asyncio.Task] = {}
+        self._ready = None
+
+    async def _started(self) -> None:
+        if self._ready is None:
+            self._ready = asyncio.ensure_future(self.server.wait_healthy())
+        await self._ready
+
+    async def generate(self, request: GenerateRequest) -> GenerateOutput:
+        """Sample ``request`` on the server (the server batches concurrent requests itself).
+
+        Raises:
+            ValueError: for a request the server rejects (e.g. longer than its context length).
+
+        """
+        await self._started()
+        first, self._outstanding = self._version, self._outstanding + 1
+        task = asyncio.ensure_future(self.server.generate(request))
+        self._inflight[request.request_id] = task
+        try:
+            completions = await task
+        except asyncio.CancelledError:
+            completions = []  # cancelled here: the server drops the request when the connection closes
+        finally:
+            self._outstanding -= 1
+            self._inflight.pop(request.request_id, None)
+        return GenerateOutput(request.request_id, completions, self._version, self.engine_id, first)
+
+    async def health(self) -> dict:
+        """Liveness (waits for the server on the first call) plus load and the loaded weight version."""
+        await self._started()
+        self.server.check_alive()
+        return {"engine_id": self.engine_id, "outstanding": self._outstanding, "version": self._version,
+                "url": self.url, "kind": self.kind}  # fmt: skip
+
+    async def shutdown(self) -> None:
+        """Stop the server process."""
+        await self.server.aclose()
+
+    def __del__(self):
+        self.server.close()
+
+    async def weight_version(self) -> int:
+        """Version of the loaded weights."""
+        return self._version
+
+    async def weights_checksum(self) -> str | None:
+        """Checksum of the weights after the last load (None before the first sync or without verify)."""
+        return self._checksum

@@ -1,0 +1,152 @@
+"""An inference server (vLLM, SGLang) as a child process of its engine actor, and an async HTTP client for it.
+
+The base of ``VLLMServer`` and ``SGLangServer``: picks a free loopback port, starts the command a subclass
+builds (``command``) with its environment (``env``), logs to a temp file whose tail goes into every error,
+polls ``/health`` until the server answers, and stops the process (terminate, then kill) on ``close``.
+The process is outside Ray: it inherits the actor's environment (``CUDA_VISIBLE_DEVICES`` on GPUs).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerError(RuntimeError):
+    """The server failed to start or answered an error."""
+
+
+class ServerProcess:
+    """A server child process on ``self.url``; subclasses define ``name``, ``error``, ``command`` and ``env``."""
+
+    name = "server"
+    error: type[ServerError] = ServerError
+
+    def __init__(self, startup_timeout_s: float):
+        self.startup_timeout_s = startup_timeout_s
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._log = tempfile.NamedTemporaryFile(prefix=f"miles_ray_{self.name}_", suffix=".log", delete=False)
+        self._session = None
+        env = dict(os.environ)
+        env.update(self.env())
+        # own session: the server forks workers (schedulers, engine cores); close stops the whole group
+        self._proc = subprocess.Popen(
+            self.command(), env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+    def command(self) -> list[str]:
+        """The server's command line."""
+        raise NotImplementedError
+
+    def env(self) -> dict[str, str]:
+        """Variables added to the actor's environment for the server."""
+        return {}
+
+    def log_tail(self, num_chars: int = 3000) -> str:
+        """The end of the server's log (for error messages)."""
+        self._log.flush()
+        return Path(self._log.name).read_text(errors="replace")[-num_chars:]
+
+    def check_alive(self) -> None:
+        """Raise ``self.error`` (with the log's tail) if the server process has exited."""
+        if self._proc.poll() is not None:
+            raise self.error(f"{self.name} server exited with {self._proc.returncode}:\n{self.log_tail()}")
+
+    async def _client(self):
+        import aiohttp
+
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
+        return self._session
+
+    async def wait_healthy(self) -> None:
+        """Poll ``/health`` until the server answers.
+
+        Raises:
+            ServerError: if the process exits or the timeout passes (with the log's tail).
+
+        """
+        session, deadline = await self._client(), time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            self.check_alive()
+            try:
+                async with session.get(f"{self.url}/health") as resp:
+                    if resp.status == 200:
+                        return
+            except OSError:
+                pass
+            await asyncio.sleep(0.5)
+        raise self.error(f"{self.name} server not healthy after {self.startup_timeout_s}s:\n{self.log_tail()}")
+
+    async def request(self, method: str, route: str, json: dict | None = None, params: dict | None = None) -> dict:
+        """Call the server; a non-2xx answer raises ``self.error`` (``ValueError`` for a 400)."""
+        session = await self._client()
+        async with session.request(method, f"{self.url}{route}", json=json, params=params) as resp:
+            body = await resp.json(content_type=None) if resp.content_length != 0 else {}
+            if resp.status == 400:
+                raise ValueError(f"{self.name} rejected the request to {route}: {body}")
+            if resp.status // 100 != 2:
+                raise self.error(f"{self.name} {route} answered {resp.status}: {body}")
+            return body if body is not None else {}
+
+    async def post(self, route: str, json: dict | None = None, params: dict | None = None) -> dict:
+        """POST to the server (see ``request``)."""
+        return await self.request("POST", route, json, params)
+
+    async def aclose(self) -> None:
+        """Close the HTTP client session, then ``close``."""
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+        self.close()
+
+    def close(self) -> None:
+        """Stop the server process (idempotent); a process group is killed whole (servers fork workers)."""
+        if self._proc.poll() is None:
+            self._signal_group(signal.SIGTERM)
+            try:
+                self._proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                pass
+        self._signal_group(signal.SIGKILL)  # workers left behind by the parent
+
+    def _signal_group(self, sig: int) -> None:
+        try:
+            os.killpg(self._proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def server_flags(args: dict[str, str | int | float | bool]) -> list[str]:
+    """Command-line flags from a passthrough mapping: ``{"mem_fraction_static": 0.5, "enable_x": True}``."""
+    flags = []
+    for key, value in args.items():
+        flag = "--" + key.replace("_", "-")
+        flags += [flag] if value is True else [] if value is False else [flag, str(value)]
+    return flags
+
+
+def check_passthrough(args: dict, own_flags: set[str], field: str, owner: str) -> None:
+    """Refuse passthrough flags the engine config sets itself.
+
+    Raises:
+        ValueError: naming ``field`` and the clashing flags.
+
+    """
+    clash = sorted(k for k in args if k.replace("_", "-") in own_flags)
+    if clash:
+        raise ValueError(f"{field} may not set {clash}: {owner} sets them (use its fields)")

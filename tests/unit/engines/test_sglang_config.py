@@ -1,0 +1,62 @@
+"""SGLangEngineConfig, the server command line and environment, and the CPU shim (no SGLang needed)."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from miles_ray.actors import RolloutPoolConfig
+from miles_ray.engines.sglang import SITE_DIR, SGLangEngineConfig, SGLangServer, _first_values
+from miles_ray.sync.checksum import probe_checksum, probe_rows
+
+
+def _server(cfg: SGLangEngineConfig, device: str) -> SGLangServer:
+    server = SGLangServer.__new__(SGLangServer)  # only the command line: no process is started
+    server.config, server.model_name, server.port, server.device = cfg, "policy", 1234, device
+    return server
+
+
+def test_sglang_args_may_not_override_what_the_engine_sets():
+    with pytest.raises(ValueError, match=r"sglang_args may not set \['port', 'tp_size'\]"):
+        SGLangEngineConfig(model_path="m", sglang_args={"port": 1, "tp_size": 2})
+    with pytest.raises(ValueError, match="mem_fraction_static"):
+        SGLangEngineConfig(model_path="m", mem_fraction_static=1.5)
+
+
+def test_cpu_command_and_environment_apply_the_shim_and_gpu_ones_do_not():
+    cfg = SGLangEngineConfig(model_path="/m", python="/py", tp_size=2, sglang_args={"enable_lora": True})
+    cpu, gpu = _server(cfg, "cpu"), _server(cfg, "cuda")
+    cmd = cpu.command()
+    assert cmd[:5] == ["/py", "-m", "sglang.launch_server", "--model-path", "/m"]
+    for flag, value in [("--port", "1234"), ("--tp-size", "2"), ("--device", "cpu"), ("--max-total-tokens", "4096"),
+                        ("--attention-backend", "torch_native")]:  # fmt: skip
+        assert cmd[cmd.index(flag) + 1] == value
+    assert "--enable-lora" in cmd and "--disable-cuda-graph" in cmd
+    assert str(SITE_DIR) in cpu.env()["PYTHONPATH"] and cpu.env()["SGLANG_USE_CPU_ENGINE"] == "1"
+    assert "--attention-backend" not in gpu.command() and gpu.env() == {}  # nothing of the shim on GPUs
+
+
+def test_pool_config_selects_sglang():
+    pool = RolloutPoolConfig(engine={"kind": "sglang", "model_path": "/m", "tp_size": 2})
+    assert isinstance(pool.engine, SGLangEngineConfig) and pool.engine.tp_size == 2
+
+
+def test_probe_matches_what_sglang_returns_for_a_row():
+    weights = [("a.weight", torch.randn(40, 20)), ("norm.weight", torch.randn(20))]
+    rows = probe_rows(weights)
+    # SGLang's /get_weights_by_name answers tensor.tolist()[:truncate_size]
+    served = {name: _first_values(t.tolist()[:1]) for name, t in weights}
+    assert rows == served and len(rows["a.weight"]) == 16 and len(rows["norm.weight"]) == 1
+    changed = [("a.weight", weights[0][1].clone().index_fill_(1, torch.tensor([3]), 0.0)), weights[1]]
+    assert probe_checksum(probe_rows(changed)) != probe_checksum(rows)
+
+
+def test_shim_supplies_sgl_kernel_only_when_missing():
+    code = (
+        "import sgl_kernel\n"
+        "try:\n    sgl_kernel.rmsnorm_cpu(1)\nexcept NotImplementedError as e:\n    print('raised', e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], env={"PYTHONPATH": str(SITE_DIR)}, capture_output=True,
+                         text=True, timeout=120)  # fmt: skip
+    assert "raised sgl_kernel.rmsnorm_cpu was called" in out.stdout, out.stderr

@@ -37,6 +37,7 @@ from miles_ray.actors import (
 from miles_ray.engines.base import GenerateRequest, SamplingParams
 from miles_ray.engines.embedded import EmbeddedEngineConfig
 from miles_ray.engines.http_server import HttpServerConfig
+from miles_ray.engines.sglang import SGLangEngineConfig
 from miles_ray.engines.vllm import VLLMEngineConfig
 from miles_ray.hooks import TrainerHooksConfig
 from miles_ray.types import RolloutBatch, Sample
@@ -66,6 +67,7 @@ __all__ = [
     "TrainerGroup",
     "TrainerGroupConfig",
     "TrainerHooksConfig",
+    "SGLangEngineConfig",
     "VLLMEngineConfig",
     "WeightBroadcaster",
     "WeightBroadcasterConfig",

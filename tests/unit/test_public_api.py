@@ -24,6 +24,7 @@ EXPECTED = [
     "EmbeddedEngineConfig",
     "HttpServerConfig",
     "TrainerHooksConfig",
+    "SGLangEngineConfig",
     "VLLMEngineConfig",
     "CriticGroup",
     "CriticGroupConfig",

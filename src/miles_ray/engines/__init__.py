@@ -1,6 +1,15 @@
 """Rollout engines behind the ``RolloutEngine`` interface: the embedded pure-PyTorch engine (default) and vLLM."""
 
 from miles_ray.engines.base import Completion, GenerateOutput, GenerateRequest, RolloutEngine, SamplingParams
+from miles_ray.engines.sglang import SGLangEngineConfig
 from miles_ray.engines.vllm import VLLMEngineConfig
 
-__all__ = ["Completion", "GenerateOutput", "GenerateRequest", "RolloutEngine", "SamplingParams", "VLLMEngineConfig"]
+__all__ = [
+    "Completion",
+    "GenerateOutput",
+    "GenerateRequest",
+    "RolloutEngine",
+    "SamplingParams",
+    "SGLangEngineConfig",
+    "VLLMEngineConfig",
+]

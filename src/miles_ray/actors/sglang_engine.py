@@ -23,7 +23,7 @@ import time
 from miles_ray.actors.server_engine import ServerEngineActor
 from miles_ray.engines.sglang import SGLangEngineConfig, SGLangError, SGLangServer
 from miles_ray.sync.checksum import probe_checksum
-from miles_ray.sync.gloo import GROUP_NAME
+from miles_ray.sync.gloo import group_name
 from miles_ray.sync.plan import SyncPlan, unpack
 from miles_ray.sync.shm import as_tensor
 
@@ -36,7 +36,7 @@ class SGLangEngineActor(ServerEngineActor):
 
     def __init__(self, engine_id: int, config: SGLangEngineConfig, served_model_name: str = "policy"):
         super().__init__(engine_id, config, SGLangServer(config, served_model_name))
-        self._group_joined = False
+        self._group_name: str | None = None  # of the broadcast group the server's ranks are in
 
     async def abort(self, request_id: str | None = None) -> None:
         """Abort one request on the server (all if None); its caller gets what SGLang returns for it."""
@@ -95,11 +95,12 @@ class SGLangEngineActor(ServerEngineActor):
         """Have the server's TP ranks join the broadcast group as ranks ``rank .. rank + tp_size - 1``."""
         await self._started()
         body = {"master_address": host, "master_port": port, "rank_offset": rank, "world_size": world_size,
-                "group_name": GROUP_NAME, "backend": backend}  # fmt: skip
-        if self._group_joined:  # a re-formed group (respawned engine or trainer): leave the old one first
-            await self.server.call("/destroy_weights_update_group", {"group_name": GROUP_NAME})
+                "group_name": group_name(port), "backend": backend}  # fmt: skip
+        if self._group_name is not None:  # a re-formed group (respawned engine or trainer): leave the old one first
+            await self.server.call("/destroy_weights_update_group", {"group_name": self._group_name})
+            self._group_name = None
         await self.server.call("/init_weights_update_group", body)
-        self._group_joined = True
+        self._group_name = group_name(port)
 
     async def receive_broadcast(self, plan: SyncPlan, version: int, verify: bool = True, in_flight: str = "continue"):
         """The server receives every bucket of ``plan`` from group rank 0 and loads it; then ``version`` is set.
@@ -108,7 +109,7 @@ class SGLangEngineActor(ServerEngineActor):
             ``{"engine_id", "seconds", "checksum"}``; the probe checksum only if ``verify``.
 
         """
-        if not self._group_joined:
+        if self._group_name is None:
             raise RuntimeError("receive_broadcast before join_sync_group")
 
         async def load() -> None:
@@ -118,7 +119,7 @@ class SGLangEngineActor(ServerEngineActor):
                     "names": [m.name for m in bucket.tensors],
                     "dtypes": [str(bucket.dtype).removeprefix("torch.")] * len(bucket.tensors),
                     "shapes": [list(m.shape) for m in bucket.tensors],
-                    "group_name": GROUP_NAME, "load_format": "flattened_bucket", "flush_cache": last,
+                    "group_name": self._group_name, "load_format": "flattened_bucket", "flush_cache": last,
                 }  # fmt: skip
                 await self.server.call("/update_weights_from_distributed", body)
 

@@ -23,6 +23,11 @@ import torch.distributed as dist
 GROUP_NAME = "miles_ray_weight_sync"
 
 
+def group_name(port: int) -> str:
+    """The group's name: one per rendezvous port, since torch refuses a name twice in one process (re-formed groups)."""
+    return f"{GROUP_NAME}_{port}"
+
+
 class BroadcastGroup:
     """A standalone collective group used only for weight broadcast."""
 
@@ -38,7 +43,6 @@ class BroadcastGroup:
         world_size: int,
         backend: str = "gloo",
         timeout_s: float = 300.0,
-        group_name: str = GROUP_NAME,
     ) -> BroadcastGroup:
         """Join the group; rank 0 hosts the rendezvous store. Blocks until all ranks joined.
 
@@ -53,9 +57,10 @@ class BroadcastGroup:
         timeout = datetime.timedelta(seconds=timeout_s)
         store, _, _ = next(rendezvous(f"tcp://{host}:{port}", rank, world_size, timeout=timeout))
         store.set_timeout(timeout)
-        store = dist.PrefixStore(group_name, store)
+        name = group_name(port)
+        store = dist.PrefixStore(name, store)
         pg, _ = _new_process_group_helper(
-            world_size, rank, [], Backend(backend), store, group_name=group_name, backend_options=None,
+            world_size, rank, [], Backend(backend), store, group_name=name, backend_options=None,
             timeout=timeout, device_id=None,
         )  # fmt: skip
         _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}

@@ -163,9 +163,11 @@ class SGLangEngineActor(ServerEngineActor):
         await self.server.post("/pause_generation", {"mode": "in_place"})
         try:
             session = await self._optional("/begin_weight_update")
-            await load()
-            if session:
-                await self.server.call("/end_weight_update", {})
+            try:
+                await load()
+            finally:  # close the session even after a failed load, so the server can take the next one
+                if session:
+                    await self.server.call("/end_weight_update", {})
             await self.server.call("/update_weight_version", {"new_version": str(version), "abort_all_requests": False})
             self._version = version
         finally:

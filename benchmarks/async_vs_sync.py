@@ -55,7 +55,7 @@ def stack():
     pl = placement.create(placement.disaggregated(1, 1))
     cfg = actors.TrainerGroupConfig(
         model_path=model_path, optimizer={"lr": args.lr}, old_logprobs="rollout",
-        backend={"micro_batch_size": 32, "autocast": "bfloat16"},
+        backend={"micro_batch_size": 32, "autocast": "auto"},
     )  # fmt: skip
     trainer = actors.TrainerGroup.remote(cfg, pl)
     pool_cfg = actors.RolloutPoolConfig(engine=EmbeddedEngineConfig(model_path=model_path, max_seq_len=512))

@@ -47,7 +47,7 @@ gpus = 1.0 if ray.cluster_resources().get("GPU", 0) >= n else 0.0
 pl = placement.create(placement.colocated(n, gpus_per_bundle=gpus, critic=True, reference=True))
 
 # --- the models: policy, critic, reference ----------------------------------------------------------
-backend = {"micro_batch_size": 16, "autocast": "bfloat16"}
+backend = {"micro_batch_size": 16, "autocast": "auto"}
 critic_cfg = actors.CriticGroupConfig(
     model_path=model_path, num_ranks=n, backend=backend, optimizer={"lr": args.critic_lr}, head_lr=args.value_head_lr
 )

@@ -90,7 +90,7 @@ recipe = {"format": args.weight_format} if args.weight_format else None  # one r
 if args.backend == "megatron":  # the n ranks form n / tp data-parallel groups of tp tensor-parallel ranks
     backend = {"kind": "megatron", "micro_batch_size": 32, "parallel": {"tensor_model_parallel_size": args.tp}}
 else:
-    backend = {"micro_batch_size": 32, "autocast": "bfloat16", "routing_replay": args.routing_replay,
+    backend = {"micro_batch_size": 32, "autocast": "auto", "routing_replay": args.routing_replay,
                "weight_format": recipe,
                "lora": {"rank": args.lora_rank, "alpha": 2 * args.lora_rank} if args.lora_rank else None}  # fmt: skip
 trainer_cfg = actors.TrainerGroupConfig(

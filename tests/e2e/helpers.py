@@ -1,6 +1,9 @@
 """Shared pieces of the end-to-end tests: a learnable task for a random tiny model, an engine stack, checksums."""
 
+import os
+import subprocess
 import time
+from pathlib import Path
 
 import ray
 
@@ -18,6 +21,39 @@ def engines_and_router(pl, model_path, num_engines, router_config=None):
     pool = RolloutPool.remote(pool_config, pl)
     engines = ray.get(pool.engines.remote())
     return pool, engines, Router.remote(router_config or RouterConfig(), engines)
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def server_python(env_var: str, venv: str, probe: str, env: dict | None = None) -> str | None:
+    """The interpreter of a server engine's own venv: ``$env_var`` or ``ROOT/venv``, if ``probe`` imports there."""
+    for python in (os.environ.get(env_var), str(ROOT / venv / "bin" / "python")):
+        if python and Path(python).exists():
+            run = subprocess.run([python, "-c", f"import {probe}"], capture_output=True, timeout=300,
+                                 env={**os.environ, **(env or {})})  # fmt: skip
+            if run.returncode == 0:
+                return python
+    return None
+
+
+def trainer_logprobs(trainer, prompt, completions) -> list[list[float]]:
+    """The trainer's logprobs of each completion's tokens after ``prompt``."""
+    samples = [Sample(list(prompt), c.token_ids, c.logprobs) for c in completions]
+    return ray.get(trainer.compute_logprobs.remote([GroupRef(ray.put(samples), len(samples), 0, 0)]))
+
+
+def max_logprob_diff(completions, reference) -> float:
+    """Largest |engine logprob - reference logprob| over every token of ``completions``."""
+    return max(abs(a - b) for c, ref in zip(completions, reference) for a, b in zip(c.logprobs, ref))
+
+
+def wait_outstanding(engine, count: int) -> None:
+    """Return once ``engine`` holds ``count`` requests (sent to its server, not yet answered)."""
+    deadline = time.time() + 60
+    while ray.get(engine.health.remote())["outstanding"] < count:
+        assert time.time() < deadline, "the request never reached the engine"
+        time.sleep(0.002)
 
 
 def wait_until_decoding(engine) -> None:

@@ -7,14 +7,11 @@ shared-memory handle (``/update_weights_from_tensor``). The server's interpreter
 ``MILES_RAY_SGLANG_PYTHON`` or ``.venv-sglang`` (``scripts/setup_sglang.sh``); without one these tests skip.
 """
 
-import os
-import subprocess
-import time
 from pathlib import Path
 
 import pytest
 import ray
-from helpers import grpo_in_step
+from helpers import grpo_in_step, max_logprob_diff, server_python, trainer_logprobs, wait_outstanding
 
 from miles_ray import placement
 from miles_ray.actors import (
@@ -32,24 +29,14 @@ from miles_ray.engines.sglang import SITE_DIR, SGLangEngineConfig
 from miles_ray.sync.checksum import probe_checksum, probe_rows
 
 pytestmark = [pytest.mark.e2e, pytest.mark.sglang]
-ROOT = Path(__file__).resolve().parents[2]
 PROMPT = [1, 2, 3, 4, 5]
-
-
-def _sglang_python() -> str | None:
-    for python in (os.environ.get("MILES_RAY_SGLANG_PYTHON"), str(ROOT / ".venv-sglang" / "bin" / "python")):
-        if python and Path(python).exists():
-            probe = [python, "-c", "import sglang.srt.entrypoints.http_server"]
-            env = {**os.environ, "PYTHONPATH": str(SITE_DIR), "SGLANG_USE_CPU_ENGINE": "1"}  # the CPU shim
-            if subprocess.run(probe, capture_output=True, timeout=300, env=env).returncode == 0:
-                return python
-    return None
 
 
 @pytest.fixture(scope="module")
 def stack(ray_cluster):
     """One SGLang engine, router, trainer (1 rank) and two broadcasters (broadcast, shared memory)."""
-    python = _sglang_python()
+    shim = {"PYTHONPATH": str(SITE_DIR), "SGLANG_USE_CPU_ENGINE": "1"}  # the CPU shim, as the engine sets it
+    python = server_python("MILES_RAY_SGLANG_PYTHON", ".venv-sglang", "sglang.srt.entrypoints.http_server", shim)
     if python is None:
         pytest.skip("no SGLang environment: run scripts/setup_sglang.sh or set MILES_RAY_SGLANG_PYTHON")
     from miles_ray.models.hub import tiny_llama_dir
@@ -79,12 +66,7 @@ def _generate(stack, n=4, max_new_tokens=10, temperature=1.0):
 
 
 def _max_diff_to_trainer(stack, out):
-    from miles_ray.actors.replay_buffer import GroupRef
-    from miles_ray.types import Sample
-
-    samples = [Sample(list(PROMPT), c.token_ids, c.logprobs) for c in out.completions]
-    ref = ray.get(stack["trainer"].compute_logprobs.remote([GroupRef(ray.put(samples), len(samples), 0, 0)]))
-    return max(abs(a - b) for c, r in zip(out.completions, ref) for a, b in zip(c.logprobs, r))
+    return max_logprob_diff(out.completions, trainer_logprobs(stack["trainer"], PROMPT, out.completions))
 
 
 def _train_step(stack, out):
@@ -150,9 +132,11 @@ def test_pause_keeps_requests_and_abort_ends_them(stack):
     assert len(ray.get(pending, timeout=60).completions[0].token_ids) == 4
     long = GenerateRequest([1, 2, 3], SamplingParams(max_new_tokens=500, ignore_eos=True), request_id="long")
     future = engine.generate.remote(long)
-    time.sleep(1.0)
+    wait_outstanding(engine, 1)
+    ray.get(engine.pause.remote("in_place"))  # held in the server's batch: it cannot finish before the abort
     ray.get(engine.abort.remote("long"))
+    ray.get(engine.resume.remote())
     [completion] = ray.get(future, timeout=60).completions
-    assert completion.finish_reason == "abort" and 0 < len(completion.token_ids) < 500
+    assert completion.finish_reason == "abort" and len(completion.token_ids) == len(completion.logprobs) < 500
     with pytest.raises(ValueError, match="pause mode"):
         ray.get(engine.pause.remote("later"))

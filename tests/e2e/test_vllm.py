@@ -5,13 +5,9 @@ The server's interpreter comes from ``MILES_RAY_VLLM_PYTHON`` or ``.venv-vllm`` 
 without one these tests skip, saying so.
 """
 
-import os
-import subprocess
-import time
-from pathlib import Path
-
 import pytest
 import ray
+from helpers import max_logprob_diff, server_python, trainer_logprobs, wait_outstanding
 from transformers import AutoTokenizer
 
 from miles_ray import placement
@@ -32,22 +28,12 @@ from miles_ray.engines.vllm import VLLMEngineConfig
 from miles_ray.rollout import generate_groups
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _vllm_python() -> str | None:
-    for python in (os.environ.get("MILES_RAY_VLLM_PYTHON"), str(ROOT / ".venv-vllm" / "bin" / "python")):
-        if python and Path(python).exists():
-            ok = subprocess.run([python, "-c", "import vllm"], capture_output=True, timeout=300).returncode == 0
-            if ok:
-                return python
-    return None
 
 
 @pytest.fixture(scope="module")
 def stack(ray_cluster):
     """One vLLM engine, router, trainer (1 rank) and broadcaster on one colocated bundle, for every test here."""
-    python = _vllm_python()
+    python = server_python("MILES_RAY_VLLM_PYTHON", ".venv-vllm", "vllm")
     if python is None:
         pytest.skip("no vLLM environment: run scripts/setup_vllm.sh or set MILES_RAY_VLLM_PYTHON")
     from miles_ray.models.hub import tiny_llama_dir
@@ -90,15 +76,11 @@ def _generate(stack, seed, n=4, max_new_tokens=12, prompt=(1, 2, 3, 4, 5)):
 
 
 def _trainer_logprobs(stack, out, prompt=(1, 2, 3, 4, 5)):
-    from miles_ray.actors.replay_buffer import GroupRef
-    from miles_ray.types import Sample
-
-    samples = [Sample(list(prompt), c.token_ids, c.logprobs) for c in out.completions]
-    return ray.get(stack["trainer"].compute_logprobs.remote([GroupRef(ray.put(samples), len(samples), 0, 0)]))
+    return trainer_logprobs(stack["trainer"], prompt, out.completions)
 
 
 def _max_diff(out, reference):
-    return max(abs(a - b) for c, ref in zip(out.completions, reference) for a, b in zip(c.logprobs, ref))
+    return max_logprob_diff(out.completions, reference)
 
 
 def test_generate_through_the_router_matches_the_trainer(stack):
@@ -139,9 +121,12 @@ def test_pause_keeps_requests_and_abort_cancels(stack):
     assert len(ray.get(pending, timeout=60).completions[0].token_ids) == 4
     long = GenerateRequest([1, 2, 3], SamplingParams(max_new_tokens=400, ignore_eos=True), request_id="long")
     future = engine.generate.remote(long)
-    time.sleep(1.0)
+    wait_outstanding(engine, 1)
+    ray.get(engine.pause.remote("in_place"))  # held on the server: it cannot finish before the abort
     ray.get(engine.abort.remote("long"))
     assert ray.get(future, timeout=60).completions == []
+    ray.get(engine.resume.remote())
+    assert len(_generate(stack, seed=5, n=1, max_new_tokens=3).completions[0].token_ids) == 3  # serving again
     with pytest.raises(ValueError, match="pause mode"):
         ray.get(engine.pause.remote("later"))
 

@@ -36,8 +36,11 @@ class TorchBackendConfig(StrictConfig):
     kind: Literal["torch"] = "torch"
     parallel: Literal["fsdp2", "ddp"] = Field("fsdp2", description="Data-parallel wrapping of the model.")
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="Parameter dtype of the trained model.")
-    autocast: Literal["none", "bfloat16"] = Field(
-        "none", description="Mixed precision: bfloat16 autocast of forward/backward (fp32 master weights)."
+    autocast: Literal["none", "bfloat16", "auto"] = Field(
+        "none",
+        description="Mixed precision: bfloat16 autocast of forward/backward (fp32 master weights). 'auto': bfloat16 "
+        "where the rank's device computes it natively (CUDA with bf16, CPUs with AVX512-BF16 or AMX), else none "
+        "(an AVX2-only CPU emulates bf16 matmuls, ~17x slower than fp32).",
     )
     micro_batch_size: int = Field(8, ge=1, le=4096, description="Samples per forward/backward on one rank.")
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")

@@ -70,7 +70,7 @@ class TorchCriticBackend(TorchRank):
         return [{"params": body}, {"params": head, "lr": self.head_lr}]
 
     def _values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.config.autocast == "bfloat16"):
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
             values = self.model(input_ids.to(self.device), attention_mask.to(self.device))
         return values[:, :-1]  # position t values the state that predicts token t+1
 

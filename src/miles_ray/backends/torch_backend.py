@@ -108,7 +108,7 @@ class PolicyRank(TorchRank):
         nonzero = response_mask.any(dim=0).nonzero()
         start = int(nonzero[0]) if nonzero.numel() else width - 1
         keep = torch.arange(start, width, device=self.device)
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.config.autocast == "bfloat16"):
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
             out = self.model(input_ids=input_ids, attention_mask=attention_mask.to(self.device), logits_to_keep=keep)
         lp, entropy = token_logprobs(out.logits, input_ids[:, start + 1 :], temperature)
         pad = lp.new_zeros(lp.shape[0], start)

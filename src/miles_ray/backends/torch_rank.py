@@ -27,6 +27,19 @@ def param_dtype(config: TorchBackendConfig) -> torch.dtype:
     return torch.float32 if config.dtype == "float32" else torch.bfloat16
 
 
+def native_bf16(device: torch.device) -> bool:
+    """Whether ``device`` computes bfloat16 matmuls natively (emulated bf16 on a CPU is many times slower than fp32)."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    caps = torch.cpu.get_capabilities()
+    return bool(caps.get("avx512_bf16") or caps.get("amx_bf16"))
+
+
+def autocast_enabled(config: TorchBackendConfig, device: torch.device) -> bool:
+    """Whether a rank on ``device`` runs its forward/backward under bfloat16 autocast (``config.autocast``)."""
+    return config.autocast == "bfloat16" or (config.autocast == "auto" and native_bf16(device))
+
+
 class TorchRank:
     """One data-parallel rank of ``module``, trained with AdamW (or frozen when ``optim`` is None).
 
@@ -40,6 +53,7 @@ class TorchRank:
         # every rank is a data-parallel rank here (a model-parallel backend narrows these to its DP group)
         self.dp_group, self.dp_rank, self.dp_size = None, self.rank, self.world_size
         self.device = rank_device()
+        self.autocast = autocast_enabled(config, self.device)  # bf16 autocast of every forward/backward
         if config.gradient_checkpointing and optim is not None:
             module.gradient_checkpointing_enable()
             if not all(p.requires_grad for p in module.parameters()):  # frozen embeddings (LoRA): keep grads flowing

@@ -92,6 +92,27 @@ def test_logprobs_match_a_plain_hf_forward(tiny_model_path):
     torch.testing.assert_close(ours[m], ref[m], atol=1e-5, rtol=1e-5)
 
 
+def test_autocast_auto_follows_native_bf16(tiny_model_path):
+    """'auto' is bf16 autocast exactly where the CPU computes bf16 natively; 'bfloat16' always is (logprobs move)."""
+    from miles_ray.backends.torch_rank import native_bf16
+
+    caps = torch.cpu.get_capabilities()
+    assert native_bf16(torch.device("cpu")) == bool(caps["avx512_bf16"] or caps["amx_bf16"])
+    batch = _batch(GRPOAdvantageConfig())
+    out = {}
+    for mode in ("none", "bfloat16", "auto"):
+        backend = TorchBackend(TorchBackendConfig(parallel="ddp", autocast=mode), OptimizerConfig(),
+                               PPOClipLossConfig(), tiny_model_path)  # fmt: skip
+        out[mode] = (backend.autocast, backend.compute_logprobs(batch, temperature=1.0))
+    assert out["none"][0] is False and out["bfloat16"][0] is True
+    assert out["auto"][0] is native_bf16(torch.device("cpu"))
+    m = batch.response_mask > 0
+    assert (out["none"][1][m] - out["bfloat16"][1][m]).abs().max() > 1e-4  # bf16 matmuls round
+    torch.testing.assert_close(out["auto"][1], out["bfloat16" if out["auto"][0] else "none"][1])
+    with pytest.raises(ValueError, match="autocast"):
+        TorchBackendConfig(autocast="fp16")
+
+
 def test_tis_weights_and_entropy_bonus_change_the_update(tiny_model_path):
     """TIS reweights tokens by min(exp(train - rollout), cap); the entropy bonus adds its own gradient."""
     from miles_ray.backends.objectives import MismatchCorrectionConfig

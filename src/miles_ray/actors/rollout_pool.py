@@ -87,6 +87,7 @@ class WeightReceiver:
     engine_id: int
     _sync_group = None
     accepts_adapters = True  # takes LoRA-only syncs (SyncPlan.adapter)
+    accepts_full_weights = True  # takes syncs of every weight
 
     async def checksum_kind(self) -> str:
         """``full``: the sync checksum covers every byte the engine holds (SGLang engines: ``probe``)."""
@@ -99,6 +100,10 @@ class WeightReceiver:
     async def takes_adapters(self) -> bool:
         """Whether this engine can load an adapter-only sync (the broadcaster asks before the first sync)."""
         return self.accepts_adapters
+
+    async def takes_full_weights(self) -> bool:
+        """Whether this engine can load a sync of all weights (an SGLang engine serving LoRA adapters cannot)."""
+        return self.accepts_full_weights
 
     def _apply(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
         raise NotImplementedError

@@ -41,7 +41,7 @@ class ServerEngineActor(WeightReceiver):
         """
         await self._started()
         first, self._outstanding = self._version, self._outstanding + 1
-        task = asyncio.ensure_future(self.server.generate(request))
+        task = asyncio.ensure_future(self.server.generate(request, **self._request_options()))
         self._inflight[request.request_id] = task
         try:
             completions = await task
@@ -51,6 +51,10 @@ class ServerEngineActor(WeightReceiver):
             self._outstanding -= 1
             self._inflight.pop(request.request_id, None)
         return GenerateOutput(request.request_id, completions, self._version, self.engine_id, first)
+
+    def _request_options(self) -> dict:
+        """Per-request server options fixed when the request starts (the SGLang engine's LoRA adapter)."""
+        return {}
 
     async def health(self) -> dict:
         """Liveness (waits for the server on the first call) plus load and the loaded weight version."""

@@ -12,6 +12,11 @@ buckets come from the object store and go to the server as shared-memory tensor 
 weights, as the embedded engine's in-place pause). The checksum is a ``probe`` one
 (``miles_ray.sync.checksum.probe_checksum``): SGLang fuses q/k/v and gate/up, so it can return each HF-named
 tensor's first row but not its bytes in HF layout.
+
+With ``SGLangEngineConfig.lora`` the engine takes a LoRA trainer's adapter-only syncs instead: this actor takes
+the adapter's buckets (it is the broadcast group's peer itself, or reads the object store) and loads them as a
+new SGLang adapter per version (``/load_lora_adapter_from_tensors``, every tensor's SHA-256 checked by each TP
+rank); new requests name it, running ones finish on the adapter they started with, which is then unloaded.
 """
 
 from __future__ import annotations
@@ -20,11 +25,15 @@ import asyncio
 import base64
 import time
 
+import torch
+import torch.multiprocessing
+
 from miles_ray.actors.server_engine import ServerEngineActor
 from miles_ray.engines.sglang import SGLangEngineConfig, SGLangError, SGLangServer
-from miles_ray.sync.checksum import probe_checksum
+from miles_ray.sync.checksum import named_tensors_checksum, probe_checksum
+from miles_ray.sync.digest import tensor_sha256
 from miles_ray.sync.gloo import group_name
-from miles_ray.sync.plan import SyncPlan, unpack
+from miles_ray.sync.plan import AdapterSpec, SyncPlan, unpack
 from miles_ray.sync.shm import as_tensor
 
 
@@ -32,11 +41,20 @@ class SGLangEngineActor(ServerEngineActor):
     """One SGLang engine as an async actor (apply ``ray.remote`` via ``RolloutPool``)."""
 
     kind = "sglang"
-    accepts_adapters = False  # adapter-only syncs (SyncPlan.adapter) are not mapped onto load_lora_adapter yet
 
     def __init__(self, engine_id: int, config: SGLangEngineConfig, served_model_name: str = "policy"):
         super().__init__(engine_id, config, SGLangServer(config, served_model_name))
+        # tensors go to the server by name in /dev/shm: the default strategy (fd passing) authenticates with a
+        # key only related processes share
+        torch.multiprocessing.set_sharing_strategy("file_system")
+        # with config.lora it takes adapter-only syncs, and only those
+        self.accepts_adapters, self.accepts_full_weights = config.lora is not None, config.lora is None
         self._group_name: str | None = None  # of the broadcast group the server's ranks are in
+        self._adapter: str | None = None  # the LoRA adapter new requests use (None: the base weights)
+        self._unloading: asyncio.Task | None = None  # the previous adapter's unload, once its requests finish
+
+    def _request_options(self) -> dict:
+        return {"adapter": self._adapter}
 
     async def abort(self, request_id: str | None = None) -> None:
         """Abort one request on the server (all if None); its caller gets what SGLang returns for it."""
@@ -69,30 +87,26 @@ class SGLangEngineActor(ServerEngineActor):
         """Take the memory back after ``release_memory`` (load weights afterwards)."""
         await self.server.call("/resume_memory_occupation", {})
 
-    async def load_lora_adapter(self, name: str, path: str) -> None:
-        """Serve a peft adapter directory as ``name`` (server started with ``sglang_args={'enable_lora': True}``)."""
-        await self._started()
-        await self.server.call("/load_lora_adapter", {"lora_name": name, "lora_path": path})
-
-    async def unload_lora_adapter(self, name: str) -> None:
-        """Stop serving adapter ``name``."""
-        await self.server.call("/unload_lora_adapter", {"lora_name": name})
-
     async def server_weight_version(self) -> str:
         """The weight version the SGLang server itself reports (``/get_model_info``)."""
         out = await self.server.request("GET", "/get_model_info")
         return str(out["weight_version"])
 
     async def checksum_kind(self) -> str:
-        """``probe``: first values of each tensor's first row (see the module docstring)."""
-        return "probe"
+        """``probe``: first values of each tensor's first row (see the module docstring); adapter syncs: ``full``."""
+        return "probe" if self.config.lora is None else "full"
 
     async def sync_ranks(self) -> int:
-        """The server's TP ranks each join the broadcast group."""
-        return self.config.tp_size
+        """The server's TP ranks each join the broadcast group (adapter syncs: this actor does, as one rank)."""
+        return self.config.tp_size if self.config.lora is None else 1
 
     async def join_sync_group(self, host: str, port: int, rank: int, world_size: int, backend: str) -> None:
-        """Have the server's TP ranks join the broadcast group as ranks ``rank .. rank + tp_size - 1``."""
+        """Have the server's TP ranks join the broadcast group as ranks ``rank .. rank + tp_size - 1``.
+
+        With ``config.lora`` this actor joins instead: it relays each adapter (a few MB) to the server.
+        """
+        if self.config.lora is not None:
+            return await super().join_sync_group(host, port, rank, world_size, backend)
         await self._started()
         body = {"master_address": host, "master_port": port, "rank_offset": rank, "world_size": world_size,
                 "group_name": group_name(port), "backend": backend}  # fmt: skip
@@ -109,6 +123,8 @@ class SGLangEngineActor(ServerEngineActor):
             ``{"engine_id", "seconds", "checksum"}``; the probe checksum only if ``verify``.
 
         """
+        if self.config.lora is not None:  # this actor is in the group: it receives the adapter
+            return await self._load_adapter(plan, None, version, verify, in_flight)
         if self._group_name is None:
             raise RuntimeError("receive_broadcast before join_sync_group")
 
@@ -133,20 +149,14 @@ class SGLangEngineActor(ServerEngineActor):
             As ``receive_broadcast``.
 
         """
-        from multiprocessing.reduction import ForkingPickler
-
-        import torch.multiprocessing
-
-        # by name in /dev/shm: the default (fd passing) authenticates with a key only related processes share
-        torch.multiprocessing.set_sharing_strategy("file_system")
-
         arrays = await asyncio.gather(*bucket_refs)
+        if self.config.lora is not None:
+            return await self._load_adapter(plan, arrays, version, verify, in_flight)
 
         async def load() -> None:
             for i, (bucket, array) in enumerate(zip(plan.buckets, arrays)):
-                # tensors travel as shared-memory handles (SGLang's MultiprocessingSerializer format)
-                named = [(n, t.clone()) for n, t in unpack(bucket, as_tensor(array, bucket.dtype))]
-                blob = base64.b64encode(ForkingPickler.dumps(named)).decode()
+                # handles into one shared-memory copy of the bucket: pickling its views shares that storage
+                blob = _serialized(unpack(bucket, _shared_copy(as_tensor(array, bucket.dtype))))
                 body = {"serialized_named_tensors": [blob] * self.config.tp_size,
                         "flush_cache": i == len(plan.buckets) - 1}  # fmt: skip
                 await self.server.call("/update_weights_from_tensor", body)
@@ -154,10 +164,12 @@ class SGLangEngineActor(ServerEngineActor):
         return await self._update(load, plan, version, verify, in_flight)
 
     async def _update(self, load, plan: SyncPlan, version: int, verify: bool, in_flight: str) -> dict:
-        if in_flight != "continue":  # SGLang's abort/retract pauses are not mapped onto finish/abort_resume yet
-            raise ValueError(f"SGLang engines support in_flight='continue' only, got {in_flight!r}")
+        _check_in_flight(in_flight)
         if plan.adapter is not None:
-            raise ValueError("SGLang engines take full weights only: the trainer has backend.lora set")
+            raise ValueError(
+                "this SGLang engine takes full weights only, but the trainer has backend.lora set (adapter-only "
+                "syncs): set SGLangEngineConfig.lora"
+            )
         await self._started()
         start = time.perf_counter()
         await self.server.post("/pause_generation", {"mode": "in_place"})
@@ -177,6 +189,51 @@ class SGLangEngineActor(ServerEngineActor):
             self._checksum = probe_checksum(await self.server.weight_rows(plan.names))
         return {"engine_id": self.engine_id, "seconds": time.perf_counter() - start, "checksum": self._checksum}
 
+    # --- adapter syncs (config.lora): this actor takes the adapter's buckets, the server loads them ---------------
+
+    async def _load_adapter(self, plan: SyncPlan, arrays: list | None, version: int, verify: bool,
+                            in_flight: str) -> dict:  # fmt: skip
+        """Load an adapter-only sync as a new SGLang adapter that new requests use.
+
+        ``arrays`` are the buckets from the object store (colocated); None: they come over the broadcast group.
+        """
+        _check_in_flight(in_flight)
+        if plan.adapter is None:
+            raise ValueError(
+                "this SGLang engine has SGLangEngineConfig.lora set (adapter-only syncs), but the trainer sends full "
+                "weights: set the trainer's backend.lora, or drop the engine's lora"
+            )
+        if arrays is None and self._sync_group is None:
+            raise RuntimeError("receive_broadcast before join_sync_group")
+        self.config.lora.check_adapter(plan.adapter.rank, plan.adapter.target_modules)
+        await self._started()
+        start = time.perf_counter()
+
+        def receive() -> list[tuple[str, torch.Tensor]]:  # each bucket lands in shared memory, copied at most once
+            named = []
+            for i, bucket in enumerate(plan.buckets):
+                shared = _shared_empty(bucket.nbytes)
+                if arrays is None:
+                    self._sync_group.broadcast(shared)
+                else:
+                    shared.copy_(as_tensor(arrays[i], torch.uint8))
+                named += unpack(bucket, shared.view(bucket.dtype))
+            return named
+
+        named = await asyncio.to_thread(receive)
+        name = f"{self.server.model_name}-v{version}"
+        if self._unloading is not None:  # at most one adapter besides the current one
+            await self._unloading
+        body = {"lora_name": name, "config_dict": _peft_config(plan.adapter),
+                "serialized_named_tensors": [_serialized(dict(named))] * self.config.tp_size,
+                "expected_checksums": {n: tensor_sha256(t) for n, t in named}}  # fmt: skip
+        await self.server.call("/load_lora_adapter_from_tensors", body)  # every TP rank checks every sha256
+        self._checksum = named_tensors_checksum(named) if verify else None
+        old, self._adapter, self._version = self._adapter, name, version  # new requests use the new adapter
+        if old is not None:  # SGLang unloads it once the requests that started on it are done
+            self._unloading = asyncio.ensure_future(self.server.call("/unload_lora_adapter", {"lora_name": old}))
+        return {"engine_id": self.engine_id, "seconds": time.perf_counter() - start, "checksum": self._checksum}
+
     async def _optional(self, route: str) -> bool:
         """Call a route newer SGLang releases require and older ones lack; False where the server has none."""
         try:
@@ -186,6 +243,34 @@ class SGLangEngineActor(ServerEngineActor):
                 return False
             raise
         return True
+
+
+def _check_in_flight(in_flight: str) -> None:
+    if in_flight != "continue":  # SGLang's abort/retract pauses are not mapped onto finish/abort_resume yet
+        raise ValueError(f"SGLang engines support in_flight='continue' only, got {in_flight!r}")
+
+
+def _shared_empty(nbytes: int) -> torch.Tensor:
+    """An uninitialised ``uint8`` buffer in shared memory (``share_memory_`` of a tensor would copy it)."""
+    return torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(nbytes))
+
+
+def _shared_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A flat ``tensor`` copied once into shared memory."""
+    return _shared_empty(tensor.nbytes).view(tensor.dtype).copy_(tensor)
+
+
+def _serialized(obj) -> str:
+    """``obj`` (tensors in a list or dict) as SGLang's ``MultiprocessingSerializer`` sends it (pickled handles)."""
+    from multiprocessing.reduction import ForkingPickler
+
+    return base64.b64encode(ForkingPickler.dumps(obj)).decode()
+
+
+def _peft_config(spec: AdapterSpec) -> dict:
+    """The adapter's peft ``adapter_config.json`` as SGLang reads it (its scaling is ``lora_alpha / r``)."""
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": spec.rank, "lora_alpha": spec.scaling * spec.rank,
+            "target_modules": list(spec.target_modules), "bias": "none", "lora_dropout": 0.0}  # fmt: skip
 
 
 __all__ = ["SGLangEngineActor"]

@@ -69,13 +69,20 @@ class WeightBroadcaster:
         self.config = config
         self._workers, self._engines = list(trainer_workers), list(engines)
         self._plan = ray.get(self._workers[0].sync_plan.remote(config.engine_dtype, config.bucket_bytes))
-        if self._plan.adapter is not None:
-            refusing = [i for i, ok in enumerate(ray.get([e.takes_adapters.remote() for e in engines])) if not ok]
-            if refusing:
-                raise ValueError(
-                    f"engines {refusing} cannot load LoRA adapters (the trainer has backend.lora set, so syncs send "
-                    "the adapters only): use embedded engines or train without LoRA"
-                )
+        adapters = self._plan.adapter is not None
+        takes = ray.get([(e.takes_adapters if adapters else e.takes_full_weights).remote() for e in engines])
+        refusing = [i for i, ok in enumerate(takes) if not ok]
+        if refusing and adapters:
+            raise ValueError(
+                f"engines {refusing} cannot load LoRA adapters (the trainer has backend.lora set, so syncs send "
+                "the adapters only): use embedded engines, SGLang engines with SGLangEngineConfig.lora, or train "
+                "without LoRA"
+            )
+        if refusing:
+            raise ValueError(
+                f"engines {refusing} serve LoRA adapters only (SGLangEngineConfig.lora is set), but the trainer syncs "
+                "full weights: set the trainer's backend.lora, or drop the engines' lora"
+            )
         self._kinds = self._checksum_kinds(self._engines)
         self._group_ready = False
         self._last: dict = {}

@@ -1,7 +1,7 @@
-"""Rollout engines behind the ``RolloutEngine`` interface: the embedded pure-PyTorch engine (default) and vLLM."""
+"""Rollout engines behind the ``RolloutEngine`` interface: the embedded pure-PyTorch engine (default), vLLM, SGLang."""
 
 from miles_ray.engines.base import Completion, GenerateOutput, GenerateRequest, RolloutEngine, SamplingParams
-from miles_ray.engines.sglang import SGLangEngineConfig
+from miles_ray.engines.sglang import SGLangEngineConfig, SGLangLoRAConfig
 from miles_ray.engines.vllm import VLLMEngineConfig
 
 __all__ = [
@@ -11,5 +11,6 @@ __all__ = [
     "RolloutEngine",
     "SamplingParams",
     "SGLangEngineConfig",
+    "SGLangLoRAConfig",
     "VLLMEngineConfig",
 ]

@@ -93,15 +93,25 @@ class ServerProcess:
         raise self.error(f"{self.name} server not healthy after {self.startup_timeout_s}s:\n{self.log_tail()}")
 
     async def request(self, method: str, route: str, json: dict | None = None, params: dict | None = None) -> dict:
-        """Call the server; a non-2xx answer raises ``self.error`` (``ValueError`` for a 400)."""
+        """Call the server; a non-2xx answer raises ``self.error`` (``ValueError`` for a 400).
+
+        A dropped connection raises ``self.error`` with the log's tail when the server has died meanwhile.
+        """
+        import aiohttp
+
         session = await self._client()
-        async with session.request(method, f"{self.url}{route}", json=json, params=params) as resp:
-            body = await resp.json(content_type=None) if resp.content_length != 0 else {}
-            if resp.status == 400:
-                raise ValueError(f"{self.name} rejected the request to {route}: {body}")
-            if resp.status // 100 != 2:
-                raise self.error(f"{self.name} {route} answered {resp.status}: {body}")
-            return body if body is not None else {}
+        try:
+            async with session.request(method, f"{self.url}{route}", json=json, params=params) as resp:
+                body = await resp.json(content_type=None) if resp.content_length != 0 else {}
+        except aiohttp.ClientConnectionError:
+            await asyncio.sleep(1.0)  # a crashing server takes a moment to exit
+            self.check_alive()
+            raise
+        if resp.status == 400:
+            raise ValueError(f"{self.name} rejected the request to {route}: {body}")
+        if resp.status // 100 != 2:
+            raise self.error(f"{self.name} {route} answered {resp.status}: {body}")
+        return body if body is not None else {}
 
     async def post(self, route: str, json: dict | None = None, params: dict | None = None) -> dict:
         """POST to the server (see ``request``)."""

@@ -36,6 +36,7 @@ import sys
 from pathlib import Path
 from typing import Literal
 
+import numpy as np
 from pydantic import Field, model_validator
 
 from miles_ray.config import StrictConfig
@@ -47,8 +48,46 @@ SITE_DIR = Path(__file__).resolve().parent / "sglang_site"
 _OWN_FLAGS = {
     "model-path", "host", "port", "served-model-name", "dtype", "tp-size", "device", "random-seed",
     "mem-fraction-static", "max-total-tokens", "context-length", "attention-backend", "enable-memory-saver",
+    "enable-lora", "max-lora-rank", "lora-target-modules", "lora-backend", "max-loras-per-batch", "lora-paths",
 }  # fmt: skip
 PROBE_VALUES = 16  # values of each tensor's first row compared after a sync
+
+
+class SGLangLoRAConfig(StrictConfig):
+    """LoRA serving: the engine takes the adapter-only syncs of a LoRA trainer (``TorchBackendConfig.lora``).
+
+    Each sync loads the trainer's adapter as a new SGLang adapter (``/load_lora_adapter_from_tensors``) that
+    new requests use; requests already running finish on the adapter they started with, then the old one is
+    unloaded. The base weights stay the checkpoint's.
+    """
+
+    max_lora_rank: int = Field(..., ge=1, le=1024, description="Largest adapter rank served (>= the trainer's).")
+    target_modules: list[str] = Field(
+        ..., min_length=1, description="Linear layers that may carry adapters (the trainer's must be among them)."
+    )
+    backend: Literal["auto", "torch_native", "triton", "csgmv", "triton_v2"] = Field(
+        "auto", description="SGLang's LoRA kernels; auto: torch_native on the CPU, SGLang's default on GPUs."
+    )
+    max_loras_per_batch: int = Field(
+        2, ge=2, le=64, description="Adapters one batch may mix (a sync's new adapter and the one before it)."
+    )
+
+    def check_adapter(self, rank: int, target_modules) -> None:
+        """Raise ``ValueError`` unless this server can serve a trainer's adapter of ``rank`` on ``target_modules``."""
+        if rank > self.max_lora_rank:
+            raise ValueError(f"the trainer's LoRA rank {rank} exceeds SGLangEngineConfig.lora.max_lora_rank "
+                             f"{self.max_lora_rank}")  # fmt: skip
+        missing = sorted(set(target_modules) - set(self.target_modules))
+        if missing and "all" not in self.target_modules:
+            raise ValueError(f"the trainer's LoRA target modules {missing} are not in "
+                             f"SGLangEngineConfig.lora.target_modules {self.target_modules}")  # fmt: skip
+
+    def flags(self, device: str) -> list[str]:
+        """The server flags that turn LoRA serving on."""
+        out = ["--enable-lora", "--max-lora-rank", str(self.max_lora_rank), "--lora-target-modules"]
+        out += [*self.target_modules, "--max-loras-per-batch", str(self.max_loras_per_batch)]
+        backend = "torch_native" if self.backend == "auto" and device == "cpu" else self.backend
+        return out + ([] if backend == "auto" else ["--lora-backend", backend])
 
 
 class SGLangEngineConfig(StrictConfig):
@@ -77,10 +116,12 @@ class SGLangEngineConfig(StrictConfig):
     seed: int = Field(0, description="Server seed (per-request seeds come from SamplingParams.seed).")
     env: dict[str, str] = Field(default_factory=dict, description="Extra environment for the server.")
     startup_timeout_s: float = Field(600.0, gt=0.0, description="How long the server may take to become healthy.")
+    lora: SGLangLoRAConfig | None = Field(
+        None, description="Serve the LoRA adapters of a LoRA trainer (adapter-only syncs). None: full weights."
+    )
     sglang_args: dict[str, str | int | float | bool] = Field(
         default_factory=dict,
-        description="Extra server flags without '--' (e.g. {'enable_lora': True, 'max_lora_rank': 16}); "
-        "True is a bare flag.",
+        description="Extra server flags without '--' (e.g. {'chunked_prefill_size': 4096}); True is a bare flag.",
     )
 
     @model_validator(mode="after")
@@ -126,6 +167,8 @@ class SGLangServer(ServerProcess):
             cmd += ["--enable-memory-saver"]
         if self.device == "cpu":  # SGLang's CPU path without AMX kernels (see the module docstring)
             cmd += ["--attention-backend", "torch_native", "--disable-cuda-graph", "--skip-server-warmup"]
+        if c.lora is not None:
+            cmd += c.lora.flags(self.device)
         return cmd + server_flags(c.sglang_args)
 
     def env(self) -> dict[str, str]:
@@ -136,8 +179,8 @@ class SGLangServer(ServerProcess):
             env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SITE_DIR), os.environ.get("PYTHONPATH", "")) if p)
         return {**env, **self.config.env}
 
-    async def generate(self, request: GenerateRequest) -> list[Completion]:
-        """The ``n`` completions of one request (token ids, logprobs, text, finish reason)."""
+    async def generate(self, request: GenerateRequest, adapter: str | None = None) -> list[Completion]:
+        """The ``n`` completions of one request (token ids, logprobs, text, finish reason), with LoRA ``adapter``."""
         p = request.params
         sampling = {
             "n": p.n, "max_new_tokens": p.max_new_tokens, "temperature": p.temperature, "top_p": p.top_p,
@@ -149,6 +192,7 @@ class SGLangServer(ServerProcess):
             "sampling_params": {k: v for k, v in sampling.items() if v is not None},
             "return_logprob": True,
             "rid": request.request_id or None,
+            "lora_path": adapter,
         }
         out = await self.post("/generate", {k: v for k, v in body.items() if v is not None})
         items = out if isinstance(out, list) else [out]
@@ -181,15 +225,7 @@ class SGLangServer(ServerProcess):
 
 def _first_values(nested) -> list[float]:
     """The first ``PROBE_VALUES`` numbers of SGLang's ``tolist()[:1]`` (a list of one row, or one number)."""
-    flat: list[float] = []
-    stack = [nested]
-    while stack and len(flat) < PROBE_VALUES:
-        item = stack.pop()
-        if isinstance(item, list):
-            stack.extend(reversed(item))
-        else:
-            flat.append(float(item))
-    return flat
+    return np.asarray(nested, dtype=np.float64).reshape(-1)[:PROBE_VALUES].tolist()
 
 
-__all__ = ["PROBE_VALUES", "SITE_DIR", "SGLangEngineConfig", "SGLangError", "SGLangServer"]
+__all__ = ["PROBE_VALUES", "SITE_DIR", "SGLangEngineConfig", "SGLangError", "SGLangLoRAConfig", "SGLangServer"]

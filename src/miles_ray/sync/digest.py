@@ -32,3 +32,8 @@ def named_tensors_checksum(named_tensors: Iterable[tuple[str, torch.Tensor]]) ->
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
         h.update(memoryview(t.view(-1).view(torch.uint8).numpy()))
     return h.hexdigest()
+
+
+def tensor_sha256(t: torch.Tensor) -> str:
+    """Hex SHA-256 of one tensor's raw bytes (how SGLang checks each adapter tensor it is sent)."""
+    return hashlib.sha256(memoryview(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())).hexdigest()

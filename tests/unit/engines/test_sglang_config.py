@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from miles_ray.actors import RolloutPoolConfig
-from miles_ray.engines.sglang import SITE_DIR, SGLangEngineConfig, SGLangServer, _first_values
+from miles_ray.engines.sglang import SITE_DIR, SGLangEngineConfig, SGLangLoRAConfig, SGLangServer, _first_values
 from miles_ray.sync.checksum import probe_checksum, probe_rows
 
 
@@ -25,14 +25,15 @@ def test_sglang_args_may_not_override_what_the_engine_sets():
 
 
 def test_cpu_command_and_environment_apply_the_shim_and_gpu_ones_do_not():
-    cfg = SGLangEngineConfig(model_path="/m", python="/py", tp_size=2, sglang_args={"enable_lora": True})
+    cfg = SGLangEngineConfig(model_path="/m", python="/py", tp_size=2, sglang_args={"chunked_prefill_size": 64})
     cpu, gpu = _server(cfg, "cpu"), _server(cfg, "cuda")
     cmd = cpu.command()
     assert cmd[:5] == ["/py", "-m", "sglang.launch_server", "--model-path", "/m"]
     for flag, value in [("--port", "1234"), ("--tp-size", "2"), ("--device", "cpu"), ("--max-total-tokens", "4096"),
                         ("--attention-backend", "torch_native")]:  # fmt: skip
         assert cmd[cmd.index(flag) + 1] == value
-    assert "--enable-lora" in cmd and "--disable-cuda-graph" in cmd
+    assert cmd[cmd.index("--chunked-prefill-size") + 1] == "64" and "--disable-cuda-graph" in cmd
+    assert "--enable-lora" not in cmd
     assert str(SITE_DIR) in cpu.env()["PYTHONPATH"] and cpu.env()["SGLANG_USE_CPU_ENGINE"] == "1"
     assert "--attention-backend" not in gpu.command() and gpu.env() == {}  # nothing of the shim on GPUs
 
@@ -60,3 +61,41 @@ def test_shim_supplies_sgl_kernel_only_when_missing():
     out = subprocess.run([sys.executable, "-c", code], env={"PYTHONPATH": str(SITE_DIR)}, capture_output=True,
                          text=True, timeout=120)  # fmt: skip
     assert "raised sgl_kernel.rmsnorm_cpu was called" in out.stdout, out.stderr
+
+
+def test_lora_config_sets_the_server_flags_and_checks_the_trainers_adapter():
+    cfg = SGLangEngineConfig(model_path="/m", lora={"max_lora_rank": 8, "target_modules": ["q_proj", "v_proj"]})
+    cpu, gpu = _server(cfg, "cpu").command(), _server(cfg, "cuda").command()
+    assert cpu[cpu.index("--lora-target-modules") :][:3] == ["--lora-target-modules", "q_proj", "v_proj"]
+    for flag, value in [("--max-lora-rank", "8"), ("--max-loras-per-batch", "2"), ("--lora-backend", "torch_native")]:
+        assert cpu[cpu.index(flag) + 1] == value
+    assert "--enable-lora" in gpu and "--lora-backend" not in gpu  # SGLang's own default kernels on GPUs
+    with pytest.raises(ValueError, match=r"sglang_args may not set \['enable_lora'\]"):
+        SGLangEngineConfig(model_path="/m", sglang_args={"enable_lora": True})  # the typed field does it
+    with pytest.raises(ValueError, match="max_loras_per_batch"):
+        SGLangLoRAConfig(max_lora_rank=8, target_modules=["q_proj"], max_loras_per_batch=1)
+
+    lora = cfg.lora
+    lora.check_adapter(8, ("q_proj",))
+    with pytest.raises(ValueError, match="LoRA rank 16 exceeds SGLangEngineConfig.lora.max_lora_rank 8"):
+        lora.check_adapter(16, ("q_proj",))
+    with pytest.raises(ValueError, match=r"target modules \['o_proj'\] are not in"):
+        lora.check_adapter(4, ("q_proj", "o_proj"))
+
+
+def test_shim_drops_pinned_memory_only_without_an_accelerator():
+    code = (
+        "import sys, torch\n"
+        "torch.empty(1, pin_memory=False)\n"
+        "try:\n    torch.empty(1, pin_memory=True)\nexcept RuntimeError:\n    print('refused before')\n"
+        "[f.find_spec('sglang.srt.lora') for f in sys.meta_path if type(f).__name__ == '_Fallbacks']\n"
+        "t = torch.tensor([1, 2], pin_memory=True)\n"
+        "print('after', t.tolist(), torch.empty(3, pin_memory=True).shape[0], t.pin_memory().tolist())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], env={"PYTHONPATH": str(SITE_DIR)}, capture_output=True,
+                         text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    if torch.accelerator.is_available():  # pinning works there, and the shim leaves torch alone
+        assert "refused before" not in out.stdout
+    else:
+        assert "refused before" in out.stdout and "after [1, 2] 3 [1, 2]" in out.stdout, out.stdout

@@ -10,6 +10,10 @@ only where the real thing is missing, and never on GPU runs (the directory is no
 - ``torchvision``: PyPI's build links CUDA and cannot load beside a CPU torch, and then its import fails
   registering fake kernels for ``torchvision::nms``/``qnms``. When its library does not load, those two
   schemas are declared first, so ``torchvision.transforms`` (imported by SGLang's multimodal code) imports.
+- pinned memory: SGLang's LoRA code (``sglang.srt.lora``, imported only with ``--enable-lora``) asks for pinned
+  host buffers unconditionally, which torch refuses without an accelerator. When that package is imported on a
+  host with none, ``pin_memory=True`` in torch's tensor factories is dropped and ``Tensor.pin_memory()`` returns a
+  plain copy: pinning only speeds host-to-device copies, and there is no device.
 """
 
 import importlib.abc
@@ -41,6 +45,8 @@ class _Fallbacks(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             return importlib.util.spec_from_loader(name, self)
         if name == "torchvision":
             _declare_torchvision_ops(importlib.machinery.PathFinder.find_spec(name, path))
+        if name == "sglang.srt.lora":
+            _unpin_without_accelerator()
         return None
 
     def create_module(self, spec):
@@ -72,6 +78,30 @@ def _declare_torchvision_ops(spec) -> None:
     lib.define("nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
     lib.define("qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
     _keep.append(lib)  # the schemas live as long as the library object
+
+
+_PINNING_FACTORIES = ("tensor", "empty", "zeros", "ones", "full", "arange", "empty_strided")
+
+
+def _unpin_without_accelerator() -> None:
+    import functools
+
+    import torch
+
+    if torch.accelerator.is_available() or getattr(torch, "_miles_ray_unpinned", False):
+        return
+
+    def unpinned(factory):
+        @functools.wraps(factory)
+        def call(*args, pin_memory=False, **kwargs):
+            return factory(*args, **kwargs)
+
+        return call
+
+    for name in _PINNING_FACTORIES:
+        setattr(torch, name, unpinned(getattr(torch, name)))
+    torch.Tensor.pin_memory = lambda self, device=None: self.clone()
+    torch._miles_ray_unpinned = True
 
 
 sys.meta_path.insert(0, _Fallbacks())

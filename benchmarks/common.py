@@ -41,4 +41,6 @@ def mismatch_stats(train, rollout) -> dict:
 
 
 def _fmt(v) -> str:
+    if v is None:
+        return "-"
     return f"{v:.3g}" if isinstance(v, float) else str(v)

@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # GPU check (issue #4), for a lent GPU machine: installs SGLang's GPU build (its own torch, CUDA kernels) into
 # .venv-sglang-gpu and the project with megatron-core into .venv-gpu, then runs benchmarks/gpu_check.py:
-# Megatron trainer -> NCCL -> SGLang server weight sync (GB/s, vs gloo) and SGLang tokens/s, as one table.
-# Not run yet: no session so far was lent a GPU machine. Usage: bash benchmarks/gpu_check.sh [--single-gpu]
+# Megatron trainer -> NCCL -> SGLang server weight sync (GB/s, vs gloo), SGLang tokens/s, and a colocated
+# release-memory / train / resume / sync round, as one table. Never run on a GPU yet (no session was lent one);
+# the same driver runs on the CPU machine with --device cpu (gloo only), which is how it was checked:
+#   python -m benchmarks.gpu_check --device cpu --sglang-python .venv-sglang/bin/python --num-prompts 4
+# Usage: bash benchmarks/gpu_check.sh [--single-gpu]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}

@@ -140,3 +140,27 @@ def test_pause_keeps_requests_and_abort_ends_them(stack):
     assert completion.finish_reason == "abort" and len(completion.token_ids) == len(completion.logprobs) < 500
     with pytest.raises(ValueError, match="pause mode"):
         ray.get(engine.pause.remote("later"))
+
+
+def test_memory_release_around_a_train_step(stack):
+    """The colocated protocol against the real server: release, train, resume weights, sync, resume KV cache.
+
+    On this CPU the server has no memory saver (it needs CUDA), so nothing is freed and the engine says so
+    (False); what runs for real is the route sequence, SGLang's idle check and the weights it keeps across it.
+    """
+    engine, pool = stack["engines"][0], stack["pool"]
+    long = GenerateRequest(list(PROMPT), SamplingParams(max_new_tokens=400, ignore_eos=True), request_id="busy")
+    future = engine.generate.remote(long)
+    wait_outstanding(engine, 1)
+    with pytest.raises(ray.exceptions.RayTaskError, match="release_memory with 1 requests in flight"):
+        ray.get(pool.release_memory.remote())
+    ray.get(engine.abort.remote("busy"))
+    ray.get(future, timeout=60)
+    before = _generate(stack)
+    assert ray.get(pool.release_memory.remote()) == [False]
+    metrics = _train_step(stack, before)
+    assert ray.get(pool.resume_memory.remote("weights")) == [False]
+    ray.get(stack["shared_memory"].sync.remote(metrics["weight_version"]))  # verified
+    ray.get(pool.resume_memory.remote("kv_cache"))
+    after = _generate(stack)
+    assert after.weight_version == metrics["weight_version"] and _max_diff_to_trainer(stack, after) < 1e-4

@@ -105,6 +105,17 @@ class WeightReceiver:
         """Whether this engine can load a sync of all weights (an SGLang engine serving LoRA adapters cannot)."""
         return self.accepts_full_weights
 
+    async def release_memory(self) -> bool:
+        """Free the engine's accelerator memory while a colocated trainer trains; False: nothing to free here.
+
+        Only SGLang engines started with ``enable_memory_saver`` free anything; other engines keep theirs.
+        """
+        return False
+
+    async def resume_memory(self, tags: str | list[str] | None = None) -> bool:
+        """Take the memory of ``release_memory`` back (``tags``: ``weights`` / ``kv_cache``; None: all)."""
+        return False
+
     def _apply(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
         raise NotImplementedError
 
@@ -375,6 +386,18 @@ class RolloutPool:
                 self._urls[i] = urls[k]
         self._respawned += len(new)
         return new
+
+    def release_memory(self) -> list[bool]:
+        """Every engine frees its accelerator memory (colocated, before a train step); per engine: whether it did.
+
+        Call it when no request is in flight (after the rollout). Then ``resume_memory("weights")``, the weight
+        sync, and ``resume_memory("kv_cache")``, so the new weights land before the KV cache is allocated again.
+        """
+        return ray.get([e.release_memory.remote() for e in self._engines])
+
+    def resume_memory(self, tags: str | list[str] | None = None) -> list[bool]:
+        """Every engine takes back the memory ``tags`` (``weights``, ``kv_cache``; None: all) of ``release_memory``."""
+        return ray.get([e.resume_memory.remote(tags) for e in self._engines])
 
     def num_respawned(self) -> int:
         """Engines replaced by ``respawn_dead`` so far."""

@@ -68,7 +68,8 @@ class ServerEngineActor(WeightReceiver):
         await self.server.aclose()
 
     def __del__(self):
-        self.server.close()
+        if (server := getattr(self, "server", None)) is not None:  # Ray's actor-class wrapper has none
+            server.close()
 
     async def weight_version(self) -> int:
         """Version of the loaded weights."""

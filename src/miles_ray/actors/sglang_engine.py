@@ -78,14 +78,24 @@ class SGLangEngineActor(ServerEngineActor):
         await self._started()
         await self.server.request("POST", "/flush_cache")
 
-    async def release_memory(self) -> None:
-        """Colocated on GPUs: free weights and KV cache while the trainer runs (``enable_memory_saver``)."""
-        await self._started()
-        await self.server.call("/release_memory_occupation", {})
+    async def release_memory(self) -> bool:
+        """Free the server's weights and KV cache while a colocated trainer trains (``enable_memory_saver``).
 
-    async def resume_memory(self) -> None:
-        """Take the memory back after ``release_memory`` (load weights afterwards)."""
-        await self.server.call("/resume_memory_occupation", {})
+        Raises:
+            RuntimeError: with requests in flight (SGLang releases memory only when idle; it would crash).
+
+        """
+        await self._started()
+        if self._outstanding:
+            raise RuntimeError(f"release_memory with {self._outstanding} requests in flight: finish or abort them")
+        await self.server.call("/release_memory_occupation", {})
+        return self.config.enable_memory_saver  # without it SGLang keeps the memory (and says so in its log)
+
+    async def resume_memory(self, tags: str | list[str] | None = None) -> bool:
+        """Take the memory back: ``weights`` (then sync them), ``kv_cache``; None: both."""
+        tags = [tags] if isinstance(tags, str) else tags
+        await self.server.call("/resume_memory_occupation", {"tags": tags} if tags else {})
+        return self.config.enable_memory_saver
 
     async def server_weight_version(self) -> str:
         """The weight version the SGLang server itself reports (``/get_model_info``)."""

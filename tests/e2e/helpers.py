@@ -1,10 +1,12 @@
 """Shared pieces of the end-to-end tests: a learnable task for a random tiny model, an engine stack, checksums."""
 
+import contextlib
 import os
 import subprocess
 import time
 from pathlib import Path
 
+import pytest
 import ray
 
 from miles_ray.actors import RolloutPool, RolloutPoolConfig, Router, RouterConfig
@@ -46,6 +48,84 @@ def trainer_logprobs(trainer, prompt, completions) -> list[list[float]]:
 def max_logprob_diff(completions, reference) -> float:
     """Largest |engine logprob - reference logprob| over every token of ``completions``."""
     return max(abs(a - b) for c, ref in zip(completions, reference) for a, b in zip(c.logprobs, ref))
+
+
+SGLANG_PROMPT = [1, 2, 3, 4, 5]
+
+
+@contextlib.contextmanager
+def sglang_stack(lora=None, trainer_backend: dict | None = None):
+    """One real SGLang server (tiny Llama, fp32; ``lora``: ``SGLangEngineConfig.lora``) behind a pool and router, a
+    1-rank trainer (lr 1e-2, ``trainer_backend``) and two broadcasters (``broadcast`` over gloo, ``shared_memory``),
+    on one colocated bundle. Skips without an SGLang environment (``scripts/setup_sglang.sh``)."""
+    from miles_ray import placement
+    from miles_ray.actors import TrainerGroup, TrainerGroupConfig, WeightBroadcaster, WeightBroadcasterConfig
+    from miles_ray.engines.sglang import SITE_DIR, SGLangEngineConfig
+    from miles_ray.models.hub import tiny_llama_dir
+
+    shim = {"PYTHONPATH": str(SITE_DIR), "SGLANG_USE_CPU_ENGINE": "1"}  # the CPU shim, as the engine sets it
+    python = server_python("MILES_RAY_SGLANG_PYTHON", ".venv-sglang", "sglang.srt.entrypoints.http_server", shim)
+    if python is None:
+        pytest.skip("no SGLang environment: run scripts/setup_sglang.sh or set MILES_RAY_SGLANG_PYTHON")
+    model_path = str(tiny_llama_dir())
+    pl = placement.create(placement.colocated(1))
+    engine = SGLangEngineConfig(model_path=model_path, python=python, context_length=512, lora=lora)
+    pool = RolloutPool.remote(RolloutPoolConfig(engine=engine, served_model_name="tiny"), pl)
+    engines = ray.get(pool.engines.remote())
+    config = TrainerGroupConfig(model_path=model_path, optimizer={"lr": 1e-2}, backend=trainer_backend or {})
+    trainer = TrainerGroup.remote(config, pl)
+    workers = ray.get(trainer.workers.remote())
+    broadcast = WeightBroadcasterConfig(transport="broadcast", backend="gloo")
+    try:
+        yield {
+            "pl": pl, "pool": pool, "engines": engines, "router": Router.remote(RouterConfig(), engines),
+            "trainer": trainer, "model_path": model_path, "url": ray.get(engines[0].health.remote())["url"],
+            "broadcast": WeightBroadcaster.remote(broadcast, workers, engines),
+            "shared_memory": WeightBroadcaster.remote(WeightBroadcasterConfig(transport="shared_memory"), workers,
+                                                      engines),
+        }  # fmt: skip
+    finally:
+        ray.get(engines[0].shutdown.remote())
+        ray.util.remove_placement_group(pl.pg)
+
+
+def sglang_generate(stack, n=4, max_new_tokens=10):
+    """``n`` samples of ``SGLANG_PROMPT`` through the stack's router (temperature 1, no EOS)."""
+    from miles_ray.engines.base import GenerateRequest, SamplingParams
+
+    params = SamplingParams(n=n, max_new_tokens=max_new_tokens, temperature=1.0, ignore_eos=True)
+    return ray.get(stack["router"].generate.remote(GenerateRequest(list(SGLANG_PROMPT), params)))
+
+
+def sglang_diff_to_trainer(stack, out) -> float:
+    """Largest |server logprob - trainer logprob| over ``out``'s tokens."""
+    return max_logprob_diff(out.completions, trainer_logprobs(stack["trainer"], SGLANG_PROMPT, out.completions))
+
+
+def sglang_train_step(stack, out) -> dict:
+    """One train step on ``out``'s completions with rewards 0, 1, 0, 1, ... (non-zero GRPO advantages)."""
+    samples = [Sample(list(SGLANG_PROMPT), c.token_ids, c.logprobs, reward=float(i % 2))
+               for i, c in enumerate(out.completions)]  # fmt: skip
+    return ray.get(stack["trainer"].train_step.remote([GroupRef(ray.put(samples), len(samples), 0, 0)]))
+
+
+def sglang_train_and_sync(stack, transport: str) -> dict:
+    """A train step on fresh samples, then a sync over ``transport``; checks that the server moved with the trainer.
+
+    Checked: the sync report's version and checksum are the engine's, new samples carry the version, their
+    logprobs are the trainer's (< 1e-4) and the samples from before the step now differ from it (> 1e-3).
+    Returns the sync report.
+    """
+    engine = stack["engines"][0]
+    before = sglang_generate(stack)
+    version = sglang_train_step(stack, before)["weight_version"]
+    report = ray.get(stack[transport].sync.remote(version))  # raises unless the engine's checksum is the trainer's
+    assert report["version"] == version and report["checksum"] == ray.get(engine.weights_checksum.remote())
+    after = sglang_generate(stack)
+    assert after.weight_version == after.first_weight_version == version
+    assert sglang_diff_to_trainer(stack, after) < 1e-4  # the server computes with the trained weights
+    assert sglang_diff_to_trainer(stack, before) > 1e-3  # which differ from the ones before
+    return report
 
 
 def wait_outstanding(engine, count: int) -> None:

@@ -11,71 +11,23 @@ from pathlib import Path
 
 import pytest
 import ray
-from helpers import grpo_in_step, max_logprob_diff, server_python, trainer_logprobs, wait_outstanding
+from helpers import SGLANG_PROMPT as PROMPT
+from helpers import grpo_in_step, sglang_stack, sglang_train_and_sync, wait_outstanding
+from helpers import sglang_diff_to_trainer as _max_diff_to_trainer
+from helpers import sglang_generate as _generate
+from helpers import sglang_train_step as _train_step
 
-from miles_ray import placement
-from miles_ray.actors import (
-    RolloutPool,
-    RolloutPoolConfig,
-    Router,
-    RouterConfig,
-    TrainerGroup,
-    TrainerGroupConfig,
-    WeightBroadcaster,
-    WeightBroadcasterConfig,
-)
 from miles_ray.engines.base import GenerateRequest, SamplingParams
-from miles_ray.engines.sglang import SITE_DIR, SGLangEngineConfig
 from miles_ray.sync.checksum import probe_checksum, probe_rows
 
 pytestmark = [pytest.mark.e2e, pytest.mark.sglang]
-PROMPT = [1, 2, 3, 4, 5]
 
 
 @pytest.fixture(scope="module")
 def stack(ray_cluster):
     """One SGLang engine, router, trainer (1 rank) and two broadcasters (broadcast, shared memory)."""
-    shim = {"PYTHONPATH": str(SITE_DIR), "SGLANG_USE_CPU_ENGINE": "1"}  # the CPU shim, as the engine sets it
-    python = server_python("MILES_RAY_SGLANG_PYTHON", ".venv-sglang", "sglang.srt.entrypoints.http_server", shim)
-    if python is None:
-        pytest.skip("no SGLang environment: run scripts/setup_sglang.sh or set MILES_RAY_SGLANG_PYTHON")
-    from miles_ray.models.hub import tiny_llama_dir
-
-    model_path = str(tiny_llama_dir())
-    pl = placement.create(placement.colocated(1))
-    engine = SGLangEngineConfig(model_path=model_path, python=python, context_length=512, max_total_tokens=4096)
-    pool = RolloutPool.remote(RolloutPoolConfig(engine=engine, served_model_name="tiny"), pl)
-    engines = ray.get(pool.engines.remote())
-    trainer = TrainerGroup.remote(TrainerGroupConfig(model_path=model_path, optimizer={"lr": 1e-2}), pl)
-    workers = ray.get(trainer.workers.remote())
-    stack = {
-        "pool": pool, "engines": engines, "router": Router.remote(RouterConfig(), engines), "trainer": trainer,
-        "model_path": model_path,
-        "broadcast": WeightBroadcaster.remote(WeightBroadcasterConfig(transport="broadcast", backend="gloo"),
-                                              workers, engines),
-        "shared_memory": WeightBroadcaster.remote(WeightBroadcasterConfig(transport="shared_memory"), workers, engines),
-    }  # fmt: skip
-    yield stack
-    ray.get(engines[0].shutdown.remote())
-    ray.util.remove_placement_group(pl.pg)
-
-
-def _generate(stack, n=4, max_new_tokens=10, temperature=1.0):
-    params = SamplingParams(n=n, max_new_tokens=max_new_tokens, temperature=temperature, ignore_eos=True)
-    return ray.get(stack["router"].generate.remote(GenerateRequest(list(PROMPT), params)))
-
-
-def _max_diff_to_trainer(stack, out):
-    return max_logprob_diff(out.completions, trainer_logprobs(stack["trainer"], PROMPT, out.completions))
-
-
-def _train_step(stack, out):
-    from miles_ray.actors.replay_buffer import GroupRef
-    from miles_ray.types import Sample
-
-    completions = enumerate(out.completions)
-    samples = [Sample(list(PROMPT), c.token_ids, c.logprobs, reward=float(i % 2)) for i, c in completions]
-    return ray.get(stack["trainer"].train_step.remote([GroupRef(ray.put(samples), len(samples), 0, 0)]))
+    with sglang_stack() as stack:
+        yield stack
 
 
 def test_generate_through_the_router_matches_the_trainer(stack):
@@ -96,18 +48,10 @@ def test_grpo_steps_with_sglang_engines(stack):
 
 @pytest.mark.parametrize("transport", ["broadcast", "shared_memory"])
 def test_sync_after_a_train_step_reaches_the_server(stack, transport):
+    report = sglang_train_and_sync(stack, transport)  # raises unless the server's probe checksum matches
     engine = stack["engines"][0]
-    before = _generate(stack)
-    metrics = _train_step(stack, before)
-    version = metrics["weight_version"]
-    report = ray.get(stack[transport].sync.remote(version))  # raises unless the server's probe checksum matches
-    assert report["version"] == version and report["checksum"] == ray.get(engine.weights_checksum.remote())
-    assert ray.get(engine.weight_version.remote()) == version
-    assert ray.get(engine.server_weight_version.remote()) == str(version)  # SGLang's own record
-    after = _generate(stack)
-    assert after.weight_version == version
-    assert _max_diff_to_trainer(stack, after) < 1e-4  # the server computes with the trained weights
-    assert _max_diff_to_trainer(stack, before) > 1e-3  # and they differ from the old ones
+    assert ray.get(engine.weight_version.remote()) == report["version"]
+    assert ray.get(engine.server_weight_version.remote()) == str(report["version"])  # SGLang's own record
 
 
 def test_probe_checksum_tells_other_weights_apart(stack):

@@ -12,66 +12,23 @@ import time
 import pytest
 import ray
 import requests
-from helpers import grpo_in_step, max_logprob_diff, server_python, trainer_logprobs
+from helpers import grpo_in_step, sglang_stack, sglang_train_and_sync
+from helpers import sglang_diff_to_trainer as _max_diff_to_trainer
+from helpers import sglang_generate as _generate
 
 from miles_ray import placement
-from miles_ray.actors import (
-    RolloutPool,
-    RolloutPoolConfig,
-    Router,
-    RouterConfig,
-    TrainerGroup,
-    TrainerGroupConfig,
-    WeightBroadcaster,
-    WeightBroadcasterConfig,
-)
-from miles_ray.actors.replay_buffer import GroupRef
-from miles_ray.engines.base import GenerateRequest, SamplingParams
-from miles_ray.engines.sglang import SITE_DIR, SGLangEngineConfig, SGLangLoRAConfig
-from miles_ray.types import Sample
+from miles_ray.actors import TrainerGroup, TrainerGroupConfig, WeightBroadcaster, WeightBroadcasterConfig
+from miles_ray.engines.sglang import SGLangLoRAConfig
 
 pytestmark = [pytest.mark.e2e, pytest.mark.sglang]
-PROMPT = [1, 2, 3, 4, 5]
 ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 @pytest.fixture(scope="module")
 def stack(ray_cluster):
-    shim = {"PYTHONPATH": str(SITE_DIR), "SGLANG_USE_CPU_ENGINE": "1"}
-    python = server_python("MILES_RAY_SGLANG_PYTHON", ".venv-sglang", "sglang.srt.entrypoints.http_server", shim)
-    if python is None:
-        pytest.skip("no SGLang environment: run scripts/setup_sglang.sh or set MILES_RAY_SGLANG_PYTHON")
-    from miles_ray.models.hub import tiny_llama_dir
-
-    model_path = str(tiny_llama_dir())
-    pl = placement.create(placement.colocated(1))
     lora = SGLangLoRAConfig(max_lora_rank=8, target_modules=ALL_LINEAR)
-    engine = SGLangEngineConfig(model_path=model_path, python=python, context_length=512, lora=lora)
-    pool = RolloutPool.remote(RolloutPoolConfig(engine=engine, served_model_name="tiny"), pl)
-    engines = ray.get(pool.engines.remote())
-    backend = {"lora": {"rank": 4, "alpha": 8, "target_modules": ALL_LINEAR}}
-    trainer_config = TrainerGroupConfig(model_path=model_path, optimizer={"lr": 1e-2}, backend=backend)
-    trainer = TrainerGroup.remote(trainer_config, pl)
-    workers = ray.get(trainer.workers.remote())
-    stack = {
-        "pl": pl, "pool": pool, "engines": engines, "router": Router.remote(RouterConfig(), engines),
-        "trainer": trainer, "model_path": model_path, "url": ray.get(engines[0].health.remote())["url"],
-        "broadcast": WeightBroadcaster.remote(WeightBroadcasterConfig(transport="broadcast", backend="gloo"),
-                                              workers, engines),
-        "shared_memory": WeightBroadcaster.remote(WeightBroadcasterConfig(transport="shared_memory"), workers, engines),
-    }  # fmt: skip
-    yield stack
-    ray.get(engines[0].shutdown.remote())
-    ray.util.remove_placement_group(pl.pg)
-
-
-def _generate(stack, n=4, max_new_tokens=10):
-    params = SamplingParams(n=n, max_new_tokens=max_new_tokens, temperature=1.0, ignore_eos=True)
-    return ray.get(stack["router"].generate.remote(GenerateRequest(list(PROMPT), params)))
-
-
-def _max_diff_to_trainer(stack, out):
-    return max_logprob_diff(out.completions, trainer_logprobs(stack["trainer"], PROMPT, out.completions))
+    with sglang_stack(lora=lora, trainer_backend={"lora": {"rank": 4, "alpha": 8, "target_modules": ALL_LINEAR}}) as s:
+        yield s
 
 
 def _served_adapters(stack) -> set[str]:
@@ -89,20 +46,10 @@ def test_grpo_steps_with_adapters_on_sglang(stack):
 
 @pytest.mark.parametrize("transport", ["broadcast", "shared_memory"])
 def test_adapter_sync_moves_the_server_with_the_trainer(stack, transport):
-    engine = stack["engines"][0]
-    before = _generate(stack)
-    samples = [Sample(list(PROMPT), c.token_ids, c.logprobs, reward=float(i % 2)) for i, c in
-               enumerate(before.completions)]  # fmt: skip
-    metrics = ray.get(stack["trainer"].train_step.remote([GroupRef(ray.put(samples), len(samples), 0, 0)]))
-    version = metrics["weight_version"]
-    report = ray.get(stack[transport].sync.remote(version))  # raises unless the engine's checksum is the trainer's
-    assert report["version"] == version and report["checksum"] == ray.get(engine.weights_checksum.remote())
+    report = sglang_train_and_sync(stack, transport)  # the server computes base + the trained adapter
     full_bytes = sum(p.numel() * 4 for p in _base_parameters(stack["model_path"]))
     assert report["bytes"] < full_bytes / 5  # the adapter only
-    after = _generate(stack)
-    assert after.weight_version == after.first_weight_version == version
-    assert _max_diff_to_trainer(stack, after) < 1e-4  # the server computes base + the trained adapter
-    assert _max_diff_to_trainer(stack, before) > 1e-3  # which differs from the one before
+    version = report["version"]
     deadline = time.time() + 60  # the previous adapter goes once its requests are done (none here)
     while _served_adapters(stack) != {f"tiny-v{version}"}:
         assert time.time() < deadline, _served_adapters(stack)

@@ -128,6 +128,31 @@ def sglang_train_and_sync(stack, transport: str) -> dict:
     return report
 
 
+def check_in_place_pause_holds_requests(engine, router) -> None:
+    """A request sent while ``engine`` is paused ``in_place`` waits, and finishes in full after ``resume``."""
+    from miles_ray.engines.base import GenerateRequest, SamplingParams
+
+    ray.get(engine.pause.remote("in_place"))
+    pending = router.generate.remote(GenerateRequest([1, 2, 3], SamplingParams(n=1, max_new_tokens=4)))
+    ready, _ = ray.wait([pending], timeout=2.0)
+    assert not ready  # held while paused
+    ray.get(engine.resume.remote())
+    assert len(ray.get(pending, timeout=60).completions[0].token_ids) == 4
+
+
+def abort_running_request(engine, max_new_tokens: int):
+    """Start a long request, abort it while the server is paused (so it cannot finish first), resume; its output."""
+    from miles_ray.engines.base import GenerateRequest, SamplingParams
+
+    long = GenerateRequest([1, 2, 3], SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True), request_id="long")
+    future = engine.generate.remote(long)
+    wait_outstanding(engine, 1)
+    ray.get(engine.pause.remote("in_place"))
+    ray.get(engine.abort.remote("long"))
+    ray.get(engine.resume.remote())
+    return ray.get(future, timeout=60)
+
+
 def wait_outstanding(engine, count: int) -> None:
     """Return once ``engine`` holds ``count`` requests (sent to its server, not yet answered)."""
     deadline = time.time() + 60

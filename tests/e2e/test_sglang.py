@@ -12,7 +12,14 @@ from pathlib import Path
 import pytest
 import ray
 from helpers import SGLANG_PROMPT as PROMPT
-from helpers import grpo_in_step, sglang_stack, sglang_train_and_sync, wait_outstanding
+from helpers import (
+    abort_running_request,
+    check_in_place_pause_holds_requests,
+    grpo_in_step,
+    sglang_stack,
+    sglang_train_and_sync,
+    wait_outstanding,
+)
 from helpers import sglang_diff_to_trainer as _max_diff_to_trainer
 from helpers import sglang_generate as _generate
 from helpers import sglang_train_step as _train_step
@@ -68,19 +75,8 @@ def test_probe_checksum_tells_other_weights_apart(stack):
 
 def test_pause_keeps_requests_and_abort_ends_them(stack):
     engine = stack["engines"][0]
-    ray.get(engine.pause.remote("in_place"))
-    pending = stack["router"].generate.remote(GenerateRequest([1, 2, 3], SamplingParams(max_new_tokens=4)))
-    ready, _ = ray.wait([pending], timeout=2.0)
-    assert not ready  # held while paused
-    ray.get(engine.resume.remote())
-    assert len(ray.get(pending, timeout=60).completions[0].token_ids) == 4
-    long = GenerateRequest([1, 2, 3], SamplingParams(max_new_tokens=500, ignore_eos=True), request_id="long")
-    future = engine.generate.remote(long)
-    wait_outstanding(engine, 1)
-    ray.get(engine.pause.remote("in_place"))  # held in the server's batch: it cannot finish before the abort
-    ray.get(engine.abort.remote("long"))
-    ray.get(engine.resume.remote())
-    [completion] = ray.get(future, timeout=60).completions
+    check_in_place_pause_holds_requests(engine, stack["router"])
+    [completion] = abort_running_request(engine, max_new_tokens=500).completions
     assert completion.finish_reason == "abort" and len(completion.token_ids) == len(completion.logprobs) < 500
     with pytest.raises(ValueError, match="pause mode"):
         ray.get(engine.pause.remote("later"))

@@ -7,7 +7,13 @@ without one these tests skip, saying so.
 
 import pytest
 import ray
-from helpers import max_logprob_diff, server_python, trainer_logprobs, wait_outstanding
+from helpers import (
+    abort_running_request,
+    check_in_place_pause_holds_requests,
+    max_logprob_diff,
+    server_python,
+    trainer_logprobs,
+)
 from transformers import AutoTokenizer
 
 from miles_ray import placement
@@ -113,19 +119,8 @@ def test_weight_update_after_a_train_step_shows_in_the_next_generation(stack):
 
 def test_pause_keeps_requests_and_abort_cancels(stack):
     engine = stack["engines"][0]
-    ray.get(engine.pause.remote("in_place"))
-    pending = stack["router"].generate.remote(GenerateRequest([1, 2, 3], SamplingParams(n=1, max_new_tokens=4)))
-    ready, _ = ray.wait([pending], timeout=2.0)
-    assert not ready  # held while paused
-    ray.get(engine.resume.remote())
-    assert len(ray.get(pending, timeout=60).completions[0].token_ids) == 4
-    long = GenerateRequest([1, 2, 3], SamplingParams(max_new_tokens=400, ignore_eos=True), request_id="long")
-    future = engine.generate.remote(long)
-    wait_outstanding(engine, 1)
-    ray.get(engine.pause.remote("in_place"))  # held on the server: it cannot finish before the abort
-    ray.get(engine.abort.remote("long"))
-    assert ray.get(future, timeout=60).completions == []
-    ray.get(engine.resume.remote())
+    check_in_place_pause_holds_requests(engine, stack["router"])
+    assert abort_running_request(engine, max_new_tokens=400).completions == []
     assert len(_generate(stack, seed=5, n=1, max_new_tokens=3).completions[0].token_ids) == 3  # serving again
     with pytest.raises(ValueError, match="pause mode"):
         ray.get(engine.pause.remote("later"))

@@ -133,9 +133,9 @@ class WeightBroadcaster:
             loaded = ray.get(recvs)
             put_s = 0.0  # engines' receive time covers the trainer's gather and send
         else:
-            put_s, sent_checksum, loaded = self._push_through_store(self._engines, version)
+            put_s, sent_checksum, loaded = self._push_through_store(self._engines, self._kinds, version)
         transfer_s = put_s + max(r["seconds"] for r in loaded)  # without hashing or draining
-        self._check(self._engines, loaded, version, sent_checksum)
+        self._check(self._engines, self._kinds, loaded, version, sent_checksum)
         total = self._plan.total_bytes
         self._last = {
             "seconds": time.perf_counter() - start,
@@ -153,8 +153,8 @@ class WeightBroadcaster:
         mx.counter("weight_sync_bytes_total", "Bytes sent per engine by weight syncs").inc(total)
         return dict(self._last)
 
-    def _push_through_store(self, engines: list, version: int) -> tuple[float, dict | None, list[dict]]:
-        """Rank 0 puts the buckets in the object store, ``engines`` load them.
+    def _push_through_store(self, engines: list, kinds: list[str], version: int) -> tuple[float, dict | None, list]:
+        """Rank 0 puts the buckets in the object store, ``engines`` (checksum ``kinds``) load them.
 
         Returns:
             ``(put seconds, sent checksums by kind, load reports)``.
@@ -166,18 +166,16 @@ class WeightBroadcaster:
         c = self.config
         loads = [e.load_buckets.remote(self._plan, refs, version, c.verify, c.in_flight) for e in engines]
         # the object-store copies are the bytes the trainer sent: hash them here while engines load
-        kinds = self._kinds if engines is self._engines else self._checksum_kinds(engines)
         sent_checksum = self._checksum_refs(refs, kinds) if self.config.verify else None
         loaded = ray.get(loads)
         del refs  # the buckets leave the object store once engines are done
         return put_s, sent_checksum, loaded
 
-    def _check(self, engines: list, loaded: list[dict], version: int, sent_checksum: dict | None) -> None:
+    def _check(self, engines: list, kinds: list[str], loaded: list[dict], version: int, sent_checksum: dict | None):
         versions = ray.get([e.weight_version.remote() for e in engines])
         if any(v != version for v in versions):
             raise WeightSyncError(f"engines hold versions {versions} after syncing version {version}")
         if self.config.verify:
-            kinds = self._kinds if engines is self._engines else self._checksum_kinds(engines)
             bad = [(r["engine_id"], r["checksum"], sent_checksum[k]) for r, k in zip(loaded, kinds)
                    if r["checksum"] != sent_checksum[k]]  # fmt: skip
             if bad:
@@ -203,10 +201,12 @@ class WeightBroadcaster:
                 f"engine_id {engine_id} out of range: this broadcaster drives {len(self._engines)} engines"
             )
         self._engines[engine_id] = engine
+        kinds = self._checksum_kinds([engine])
+        self._kinds[engine_id] = kinds[0]  # and the next syncs compare it the same way
         self._group_ready = False  # the old group has a dead member
         start = time.perf_counter()
-        _, sent_checksum, loaded = self._push_through_store([engine], version)
-        self._check([engine], loaded, version, sent_checksum)
+        _, sent_checksum, loaded = self._push_through_store([engine], kinds, version)
+        self._check([engine], kinds, loaded, version, sent_checksum)
         return {"engine_id": engine_id, "version": version, "seconds": time.perf_counter() - start,
                 "checksum": loaded[0]["checksum"]}  # fmt: skip
 

@@ -31,21 +31,12 @@ def main() -> None:
     a = p.parse_args()
 
     from miles_ray import placement
-    from miles_ray.actors import (
-        RolloutPool,
-        RolloutPoolConfig,
-        Router,
-        RouterConfig,
-        TrainerGroup,
-        TrainerGroupConfig,
-        WeightBroadcaster,
-        WeightBroadcasterConfig,
-    )
-    from miles_ray.actors.replay_buffer import GroupRef
-    from miles_ray.engines.base import GenerateRequest, SamplingParams
+    from miles_ray.actors import RolloutPoolConfig, TrainerGroupConfig, WeightBroadcaster, WeightBroadcasterConfig
+    from miles_ray.engines.requests import GenerateRequest, SamplingParams
     from miles_ray.engines.sglang import SGLangEngineConfig
     from miles_ray.models.hub import smollm2_135m_dir, tiny_llama_dir
-    from miles_ray.types import Sample
+    from miles_ray.stack import StackConfig, build_stack
+    from miles_ray.types import GroupRef, Sample
 
     gpu = a.device == "cuda"
     ray.init(**({} if gpu else {"num_cpus": 8}))
@@ -65,8 +56,9 @@ def main() -> None:
         outs = ray.get([router.generate.remote(r) for r in requests])
         seconds = time.perf_counter() - start
         tokens = sum(len(c.token_ids) for o in outs for c in o.completions)
-        rows.append({"what": what, "bytes": None, "seconds": seconds, "gb_per_s": None,
-                     "tokens_per_s": tokens / seconds})  # fmt: skip
+        rows.append(
+            {"what": what, "bytes": None, "seconds": seconds, "gb_per_s": None, "tokens_per_s": tokens / seconds}
+        )
         return outs
 
     # --- disaggregated: sync over NCCL and over gloo, then generate ------------------------------------------
@@ -74,41 +66,54 @@ def main() -> None:
         plan = placement.colocated(1, gpus_per_bundle=gpus)
     else:
         plan = placement.disaggregated(1, 1, gpus_per_trainer=1, gpus_per_engine=1)
-    pl = placement.create(plan)
-    pool = RolloutPool.remote(RolloutPoolConfig(engine=SGLangEngineConfig(**engine_kw)), pl)
-    engines = ray.get(pool.engines.remote())
-    trainer = TrainerGroup.remote(megatron, pl)
-    workers = ray.get(trainer.workers.remote())
-    for backend in ("nccl", "gloo") if gpu else ("gloo",):
-        wb = WeightBroadcaster.remote(
-            WeightBroadcasterConfig(transport="broadcast", backend=backend, engine_dtype=dtype), workers, engines
-        )
+    stack = build_stack(
+        StackConfig(trainer=megatron, pool=RolloutPoolConfig(engine=SGLangEngineConfig(**engine_kw))),
+        placement.create(plan),
+    )
+    workers, engines = ray.get(stack.trainer.workers.remote()), list(stack.engines)
+    for collective in ("nccl", "gloo") if gpu else ("gloo",):
+        config = WeightBroadcasterConfig(transport="broadcast", collective=collective, engine_dtype=dtype)
+        wb = WeightBroadcaster.remote(config, workers, engines)
         reports = [ray.get(wb.sync.remote(v)) for v in (1, 2, 3)]  # the first includes forming the group
         best = min(reports[1:], key=lambda r: r["transfer_seconds"])
-        rows.append({"what": f"sync broadcast {backend}", "bytes": best["bytes"], "seconds": best["transfer_seconds"],
-                     "gb_per_s": best["gb_per_s"], "tokens_per_s": None})  # fmt: skip
+        rows.append(
+            {
+                "what": f"sync broadcast {collective}",
+                "bytes": best["bytes"],
+                "seconds": best["transfer_seconds"],
+                "gb_per_s": best["gb_per_s"],
+                "tokens_per_s": None,
+            }
+        )
     if gpu:
-        rows.append({"what": "nccl / gloo (ratio)", "bytes": None, "seconds": rows[0]["seconds"] / rows[1]["seconds"],
-                     "gb_per_s": rows[0]["gb_per_s"] / rows[1]["gb_per_s"], "tokens_per_s": None})  # fmt: skip
-    outs = generate(Router.remote(RouterConfig(), engines), "sglang generate")
+        ratio = {
+            "seconds": rows[0]["seconds"] / rows[1]["seconds"],
+            "gb_per_s": rows[0]["gb_per_s"] / rows[1]["gb_per_s"],
+        }
+        rows.append({"what": "nccl / gloo (ratio)", "bytes": None, **ratio, "tokens_per_s": None})
+    outs = generate(stack.router, "sglang generate")
     ray.get(engines[0].shutdown.remote())
-    ray.util.remove_placement_group(pl.pg)
+    stack.shutdown()
 
     # --- colocated: the server frees its memory around a train step, then takes the new weights --------------
-    pl = placement.create(placement.colocated(1, gpus_per_bundle=gpus))
     config = SGLangEngineConfig(**{**engine_kw, "enable_memory_saver": gpu})
     if gpu:
         config = config.model_copy(update={"mem_fraction_static": 0.3})
-    pool = RolloutPool.remote(RolloutPoolConfig(engine=config), pl)
-    engines = ray.get(pool.engines.remote())
-    trainer = TrainerGroup.remote(megatron, pl)
-    wb = WeightBroadcaster.remote(
-        WeightBroadcasterConfig(transport="shared_memory", engine_dtype=dtype), ray.get(trainer.workers.remote()),
-        engines,
-    )  # fmt: skip
+    stack = build_stack(
+        StackConfig(
+            trainer=megatron,
+            pool=RolloutPoolConfig(engine=config),
+            broadcaster=WeightBroadcasterConfig(transport="shared_memory", engine_dtype=dtype),
+        ),
+        placement.create(placement.colocated(1, gpus_per_bundle=gpus)),
+    )
+    pool, trainer, wb, engines = stack.pool, stack.trainer, stack.broadcaster, stack.engines
     ray.get(wb.sync.remote(0))
-    samples = [Sample([1] + [100 + j] * 16, c.token_ids, c.logprobs, reward=float(i % 2))
-               for j, o in enumerate(outs[:2]) for i, c in enumerate(o.completions)]  # fmt: skip
+    samples = [
+        Sample([1] + [100 + j] * 16, c.token_ids, c.logprobs, reward=float(i % 2))
+        for j, o in enumerate(outs[:2])
+        for i, c in enumerate(o.completions)
+    ]
     start = time.perf_counter()
     ray.get(pool.release_memory.remote())
     released = time.perf_counter()
@@ -117,10 +122,17 @@ def main() -> None:
     ray.get(pool.resume_memory.remote("weights"))
     report = ray.get(wb.sync.remote(metrics["weight_version"]))  # verified: raises on a probe mismatch
     ray.get(pool.resume_memory.remote("kv_cache"))
-    rows.append({"what": "colocated release+resume+sync", "bytes": report["bytes"],
-                 "seconds": (released - start) + (time.perf_counter() - trained), "gb_per_s": report["gb_per_s"],
-                 "tokens_per_s": None})  # fmt: skip
-    after = generate(Router.remote(RouterConfig(), engines), "sglang generate after resume")
+    seconds = (released - start) + (time.perf_counter() - trained)
+    rows.append(
+        {
+            "what": "colocated release+resume+sync",
+            "bytes": report["bytes"],
+            "seconds": seconds,
+            "gb_per_s": report["gb_per_s"],
+            "tokens_per_s": None,
+        }
+    )
+    after = generate(stack.router, "sglang generate after resume")
     assert all(o.weight_version == metrics["weight_version"] for o in after)
     ray.get(engines[0].shutdown.remote())
     emit(f"gpu_check_{a.device}", rows)

@@ -18,8 +18,8 @@ import torch
 from common import arithmetic_prompts, emit, mismatch_stats
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from miles_ray.engines.base import GenerateRequest, SamplingParams
 from miles_ray.engines.embedded import EmbeddedEngine, EmbeddedEngineConfig
+from miles_ray.engines.requests import GenerateRequest, SamplingParams
 from miles_ray.models.hub import MODELS, model_dir
 from miles_ray.models.quant import WeightFormatConfig, apply_weight_format
 

@@ -20,8 +20,8 @@ import torch
 from common import emit
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from miles_ray.engines.base import GenerateRequest, SamplingParams
 from miles_ray.engines.embedded import EmbeddedEngine, EmbeddedEngineConfig
+from miles_ray.engines.requests import GenerateRequest, SamplingParams
 from miles_ray.models.hub import MODELS, model_dir
 
 p = argparse.ArgumentParser(description=__doc__)
@@ -121,9 +121,14 @@ if args.vllm_python:  # one server at a time (each ~3 GB), before the in-process
     pin = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}" if args.threads > 1 else "0"}
     for name, dtype in (("vllm_fp32", "float32"), ("vllm_bf16", "bfloat16")):
         cfg = VLLMEngineConfig(
-            model_path=path, python=args.vllm_python, dtype=dtype, kv_cache_gb=4, env=pin,
-            max_model_len=128 + args.new_tokens, vllm_args={"max-num-seqs": max(args.batch_sizes)},
-        )  # fmt: skip
+            model_path=path,
+            python=args.vllm_python,
+            dtype=dtype,
+            kv_cache_gb=4,
+            env=pin,
+            max_model_len=128 + args.new_tokens,
+            vllm_args={"max-num-seqs": max(args.batch_sizes)},
+        )
         server = VLLMServer(cfg)
         try:
             loop.run_until_complete(server.wait_healthy())

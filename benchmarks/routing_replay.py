@@ -21,8 +21,8 @@ from common import arithmetic_prompts, emit, mismatch_stats
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from miles_ray.backends.routing import RouteTracker
-from miles_ray.engines.base import GenerateRequest, SamplingParams
 from miles_ray.engines.embedded import EmbeddedEngine, EmbeddedEngineConfig
+from miles_ray.engines.requests import GenerateRequest, SamplingParams
 from miles_ray.models.hub import model_dir
 from miles_ray.types import RolloutBatch, Sample
 
@@ -41,8 +41,9 @@ prompts = arithmetic_prompts(tok, args.prompts)
 engine = EmbeddedEngine(EmbeddedEngineConfig(model_path=path, dtype="bfloat16", max_seq_len=512))
 params = SamplingParams(n=args.group_size, max_new_tokens=args.new_tokens, seed=0)
 outs = engine.generate([GenerateRequest(ids, params) for ids in prompts])
-samples = [Sample(ids, c.token_ids, c.logprobs, routes=c.routes) for ids, out in zip(prompts, outs)
-           for c in out.completions]  # fmt: skip
+samples = [
+    Sample(ids, c.token_ids, c.logprobs, routes=c.routes) for ids, out in zip(prompts, outs) for c in out.completions
+]
 del engine
 
 hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -62,7 +63,13 @@ for precision in ("bf16 autocast", "fp32"):
         tracker.remove()
         train, rollout = torch.cat(train), torch.cat(rollout)
         differ, recorded = tracker.take_mismatch()
-        rows.append({"trainer": precision, "replay": "on" if replay else "off",
-                     "route_mismatch_frac": differ / max(recorded, 1), **mismatch_stats(train, rollout)})  # fmt: skip
+        rows.append(
+            {
+                "trainer": precision,
+                "replay": "on" if replay else "off",
+                "route_mismatch_frac": differ / max(recorded, 1),
+                **mismatch_stats(train, rollout),
+            }
+        )
 print(f"model {args.model}: engine bf16 (routes recorded), trainer HF Mixtral")
 emit("routing_replay", rows)

@@ -16,16 +16,9 @@ import torch
 from common import emit
 
 from miles_ray import placement
-from miles_ray.actors import (
-    RolloutPool,
-    RolloutPoolConfig,
-    TrainerGroup,
-    TrainerGroupConfig,
-    WeightBroadcaster,
-    WeightBroadcasterConfig,
-)
-from miles_ray.engines.embedded import EmbeddedEngineConfig
+from miles_ray.actors import WeightBroadcaster, WeightBroadcasterConfig
 from miles_ray.models.hub import MODELS, model_dir
+from miles_ray.stack import StackConfig, build_stack
 
 p = argparse.ArgumentParser(description=__doc__)
 p.add_argument("--model", choices=sorted(MODELS), default="smollm2-135m")
@@ -37,17 +30,14 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
 path = str(model_dir(args.model))
 
-pl = placement.create(placement.disaggregated(1, args.engines))
-trainer = TrainerGroup.remote(TrainerGroupConfig(model_path=path, num_ranks=1), pl)
-pool = RolloutPool.remote(RolloutPoolConfig(num_engines=args.engines, engine=EmbeddedEngineConfig(model_path=path)), pl)
-engines = ray.get(pool.engines.remote())
-workers = ray.get(trainer.workers.remote())
+config = StackConfig(trainer={"model_path": path}, pool={"num_engines": args.engines, "engine": {"model_path": path}})
+stack = build_stack(config, placement.create(placement.disaggregated(1, args.engines)))
+engines, workers = list(stack.engines), ray.get(stack.trainer.workers.remote())
 
 
 def best(transport: str, verify: bool) -> dict:
-    wb = WeightBroadcaster.remote(
-        WeightBroadcasterConfig(transport=transport, verify=verify, bucket_bytes=args.bucket_mb << 20), workers, engines
-    )
+    config = WeightBroadcasterConfig(transport=transport, verify=verify, bucket_bytes=args.bucket_mb << 20)
+    wb = WeightBroadcaster.remote(config, workers, engines)
     ray.get(wb.sync.remote(0))  # warm-up (and group setup for broadcast)
     reports = [ray.get(wb.sync.remote(i + 1)) for i in range(args.repeats)]
     return min(reports, key=lambda r: r["seconds"])

@@ -8,22 +8,20 @@ All share one colocated placement: bundle i holds trainer rank i, engine i, crit
 """
 
 import argparse
-import json
-import os
 import time
 from pathlib import Path
 
 import ray
+from common import RunLog, gpus_per_bundle, init_ray, step_record
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
-from miles_ray import actors, placement
+from miles_ray import placement
 from miles_ray.engines import SamplingParams
-from miles_ray.engines.embedded import EmbeddedEngineConfig
 from miles_ray.models.hub import MODELS, model_dir
-from miles_ray.report import plot_run, read_jsonl
 from miles_ray.rewards import ReasoningGymTask, one_digit_arithmetic
 from miles_ray.rollout import generate_groups
+from miles_ray.stack import StackConfig, build_stack
 
 p = argparse.ArgumentParser(description=__doc__)
 p.add_argument("--model", choices=sorted(MODELS), default="smollm2-135m")
@@ -39,73 +37,66 @@ p.add_argument("--kl-coef", type=float, default=0.01, help="k3 KL to the referen
 p.add_argument("--out", default="runs/ppo")
 args = p.parse_args()
 
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-ray.init(num_cpus=max(8, os.cpu_count() or 1), include_dashboard=False)
-model_path, out_dir, n = str(model_dir(args.model)), Path(args.out), args.num_ranks
-out_dir.mkdir(parents=True, exist_ok=True)
-gpus = 1.0 if ray.cluster_resources().get("GPU", 0) >= n else 0.0
-pl = placement.create(placement.colocated(n, gpus_per_bundle=gpus, critic=True, reference=True))
+init_ray()
+model_path, n = str(model_dir(args.model)), args.num_ranks
+pl = placement.create(placement.colocated(n, gpus_per_bundle=gpus_per_bundle(n), critic=True, reference=True))
 
-# --- the models: policy, critic, reference ----------------------------------------------------------
-backend = {"micro_batch_size": 16, "autocast": "auto"}
-critic_cfg = actors.CriticGroupConfig(
-    model_path=model_path, num_ranks=n, backend=backend, optimizer={"lr": args.critic_lr}, head_lr=args.value_head_lr
+# --- the stack: policy, critic and reference models, engines, router, buffer, weight sync -------------
+backend = {"micro_batch_size": 16, "autocast": "auto"}  # the reference computes like the policy: KL 0 at step 0
+stack = build_stack(
+    StackConfig(
+        trainer={
+            "model_path": model_path,
+            "num_ranks": n,
+            "backend": backend,
+            "optimizer": {"lr": args.lr},
+            "advantage": {"kind": "gae", "gamma": 1.0, "lam": 0.95},
+            "kl": {"coef": args.kl_coef, "estimator": "k3"},
+        },
+        critic={
+            "model_path": model_path,
+            "num_ranks": n,
+            "backend": backend,
+            "optimizer": {"lr": args.critic_lr},
+            "head_lr": args.value_head_lr,
+        },
+        reference={"model_path": model_path, "num_ranks": n, "backend": backend},
+        pool={"num_engines": n, "engine": {"model_path": model_path, "max_seq_len": 256, "max_batch_size": 32}},
+        buffer={"max_staleness": 0},
+    ),
+    pl,
 )
-critic = actors.CriticGroup.remote(critic_cfg, pl)
-reference = actors.ReferenceGroup.remote(  # same numerics as the policy (autocast), so KL is 0 at step 0
-    actors.ReferenceGroupConfig(model_path=model_path, num_ranks=n, backend=backend), pl
-)
-trainer_cfg = actors.TrainerGroupConfig(
-    model_path=model_path, num_ranks=n, backend=backend, optimizer={"lr": args.lr},
-    advantage={"kind": "gae", "gamma": 1.0, "lam": 0.95}, kl={"coef": args.kl_coef, "estimator": "k3"},
-)  # fmt: skip
-trainer = actors.TrainerGroup.remote(trainer_cfg, pl, critic=critic, reference=reference)
-
-# --- rollout side: engines, router, buffer, weight sync ---------------------------------------------
-engine_cfg = EmbeddedEngineConfig(model_path=model_path, max_seq_len=256, max_batch_size=32)  # KV for 32 x 256
-pool = actors.RolloutPool.remote(actors.RolloutPoolConfig(num_engines=n, engine=engine_cfg), pl)
-engines = ray.get(pool.engines.remote())
-router = actors.Router.remote(actors.RouterConfig(), engines)
-buffer = actors.ReplayBuffer.remote(actors.ReplayBufferConfig(max_staleness=0))
-broadcaster = actors.WeightBroadcaster.remote(
-    actors.WeightBroadcasterConfig(transport="shared_memory"), ray.get(trainer.workers.remote()), engines
-)
-
 task = ReasoningGymTask(one_digit_arithmetic(seed=1), AutoTokenizer.from_pretrained(model_path))
 sampling = SamplingParams(n=args.samples_per_prompt, max_new_tokens=args.max_new_tokens)
 
 # --- the PPO loop: rollout -> values + reference logprobs -> GAE -> policy and critic steps -> sync ------
-version = ray.get(trainer.weight_version.remote())
-ray.get(broadcaster.sync.remote(version))
-with open(out_dir / "metrics.jsonl", "w") as log, tqdm(range(args.steps), desc="PPO") as bar:
-    for step in bar:
-        t0 = time.perf_counter()
-        ray.get(buffer.add.remote(generate_groups(router, task, sampling, args.prompts_per_step)))
-        batch = ray.get(buffer.get_batch.remote(args.prompts_per_step, current_version=version))
-        samples = [s for g in ray.get([g.ref for g in batch]) for s in g]
-        t1 = time.perf_counter()
-        m = ray.get(trainer.train_step.remote(batch))  # critic values -> GAE -> policy step -> critic step
-        t2 = time.perf_counter()
-        version = m["weight_version"]
-        ray.get(broadcaster.sync.remote(version))
-        record = {
-            "step": step, "weight_version": version,
-            "reward_mean": sum(s.reward for s in samples) / len(samples),
-            "response_len_mean": sum(len(s.response_ids) for s in samples) / len(samples),
-            "loss": m["loss"], "clipfrac": m["clipfrac"], "ref_kl": m["ref_kl"], "grad_norm": m["grad_norm"],
-            "value_loss": m["critic/value_loss"], "explained_variance": m["critic/explained_variance"],
-            "value_clipfrac": m["critic/value_clipfrac"], "logprob_diff_max": m["train_rollout_logprob_abs_diff_max"],
-            "rollout_s": t1 - t0, "train_s": t2 - t1, "sync_s": time.perf_counter() - t2,
-            "step_s": time.perf_counter() - t0, "example": samples[0].response_text[:80],
-        }  # fmt: skip
-        log.write(json.dumps(record) + "\n")
-        log.flush()
-        bar.set_postfix(reward=f"{record['reward_mean']:.3f}", ev=f"{record['explained_variance']:.2f}",
-                        step_s=f"{record['step_s']:.1f}")  # fmt: skip
+log = RunLog(Path(args.out))
+version = ray.get(stack.trainer.weight_version.remote())
+ray.get(stack.broadcaster.sync.remote(version))
+for step in (bar := tqdm(range(args.steps), desc="PPO")):
+    t0 = time.perf_counter()
+    ray.get(stack.buffer.add.remote(generate_groups(stack.router, task, sampling, args.prompts_per_step)))
+    batch = ray.get(stack.buffer.get_batch.remote(args.prompts_per_step, current_version=version))
+    samples = [s for g in ray.get([g.ref for g in batch]) for s in g]
+    t1 = time.perf_counter()
+    m = ray.get(stack.trainer.train_step.remote(batch))  # critic values -> GAE -> policy step -> critic step
+    t2 = time.perf_counter()
+    version = m["weight_version"]
+    ray.get(stack.broadcaster.sync.remote(version))
+    record = step_record(
+        step,
+        samples,
+        m,
+        ref_kl=m["ref_kl"],
+        value_loss=m["critic/value_loss"],
+        explained_variance=m["critic/explained_variance"],
+        value_clipfrac=m["critic/value_clipfrac"],
+        rollout_s=t1 - t0,
+        train_s=t2 - t1,
+        sync_s=time.perf_counter() - t2,
+        step_s=time.perf_counter() - t0,
+    )
+    log.write(record)
+    bar.set_postfix(reward=f"{record['reward_mean']:.3f}", ev=f"{record['explained_variance']:.2f}")
 
-rows = read_jsonl(out_dir / "metrics.jsonl")
-head, tail = rows[: max(1, len(rows) // 5)], rows[-max(1, len(rows) // 5) :]
-mean = lambda rs, k: sum(r[k] for r in rs) / len(rs)  # noqa: E731
-print(f"reward curve: {plot_run(out_dir / 'metrics.jsonl')}")
-for key in ("reward_mean", "explained_variance"):
-    print(f"{key}, first {len(head)} steps: {mean(head, key):.3f}; last {len(tail)} steps: {mean(tail, key):.3f}")
+log.summary(("reward_mean", "explained_variance"))

@@ -13,21 +13,20 @@ import ast
 import asyncio
 import json
 import operator
-import os
 import re
 import time
 from pathlib import Path
 
 import ray
+from common import RunLog, init_ray, step_record
 from openai import AsyncOpenAI
 from transformers import AutoTokenizer
 
-from miles_ray import actors, placement
-from miles_ray.engines.embedded import EmbeddedEngineConfig
-from miles_ray.engines.http_server import HttpServerConfig
+from miles_ray import placement
 from miles_ray.models.hub import MODELS, model_dir
 from miles_ray.multiturn import ChatTurnRunner, tool_groups
 from miles_ray.rewards import ReasoningGymTask, ReasoningGymTaskConfig
+from miles_ray.stack import StackConfig, build_stack
 
 p = argparse.ArgumentParser(description=__doc__)
 p.add_argument("--model", choices=sorted(MODELS), default="smollm2-135m")
@@ -83,25 +82,21 @@ class FewShotTask(ReasoningGymTask):
 
 
 async def main() -> None:
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(num_cpus=max(8, os.cpu_count() or 1))
-    path, n, out = str(model_dir(args.model)), args.num_ranks, Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    pl = placement.create(placement.colocated(n))
-    trainer = actors.TrainerGroup.remote(
-        actors.TrainerGroupConfig(model_path=path, num_ranks=n, optimizer={"lr": args.lr}), pl
-    )
-    pool_cfg = actors.RolloutPoolConfig(
-        num_engines=n,
-        engine=EmbeddedEngineConfig(model_path=path, max_seq_len=768),
-        http=HttpServerConfig(),  # 127.0.0.1, a free port per engine
-        served_model_name="policy",
-    )
-    pool = actors.RolloutPool.remote(pool_cfg, pl)
-    engines, urls = ray.get(pool.engines.remote()), ray.get(pool.urls.remote())
-    buffer = actors.ReplayBuffer.remote(actors.ReplayBufferConfig(max_staleness=0))
-    sync = actors.WeightBroadcaster.remote(
-        actors.WeightBroadcasterConfig(transport="shared_memory"), ray.get(trainer.workers.remote()), engines
+    init_ray()
+    path, n = str(model_dir(args.model)), args.num_ranks
+    stack = build_stack(
+        StackConfig(
+            trainer={"model_path": path, "num_ranks": n, "optimizer": {"lr": args.lr}},
+            # every engine serves the OpenAI API (127.0.0.1, a free port each) from its Ray actor
+            pool={
+                "num_engines": n,
+                "engine": {"model_path": path, "max_seq_len": 768},
+                "http": {},
+                "served_model_name": "policy",
+            },
+            buffer={"max_staleness": 0},
+        ),
+        placement.create(placement.colocated(n)),
     )
     sizes = {"min_terms": 2, "max_terms": 2, "min_digits": 2, "max_digits": 3, "operators": ["+", "*"]}
     task = FewShotTask(
@@ -122,33 +117,31 @@ async def main() -> None:
             max_tokens=48,
             stop=["</calc>"],
         )
-        for url in urls
+        for url in ray.get(stack.pool.urls.remote())
     ]
-    version = ray.get(trainer.weight_version.remote())
-    ray.get(sync.sync.remote(version))
-    with open(out / "metrics.jsonl", "w") as log:
-        for step in range(args.steps):
-            t0 = time.perf_counter()
-            groups = await tool_groups(runners, task, args.group_size, args.prompts_per_step)
-            ray.get(buffer.add.remote(groups))
-            batch = ray.get(buffer.get_batch.remote(len(groups), current_version=version))
-            samples = [s for g in ray.get([g.ref for g in batch]) for s in g]
-            metrics = ray.get(trainer.train_step.remote(batch))
-            version = metrics["weight_version"]
-            ray.get(sync.sync.remote(version))
-            record = {
-                "step": step,
-                "reward_mean": sum(s.reward for s in samples) / len(samples),
-                "tool_calls_mean": sum(s.metadata["tool_calls"] for s in samples) / len(samples),
-                "policy_tokens_mean": sum(sum(s.loss_mask) for s in samples) / len(samples),
-                "masked_tokens_mean": sum(len(s.loss_mask) - sum(s.loss_mask) for s in samples) / len(samples),
-                "logprob_diff_max": metrics["train_rollout_logprob_abs_diff_max"],
-                "step_s": time.perf_counter() - t0,
-                "example": samples[0].response_text[:80],
-            }
-            log.write(json.dumps(record) + "\n")
-            log.flush()
-            print(json.dumps(record))
+    log = RunLog(Path(args.out))
+    version = ray.get(stack.trainer.weight_version.remote())
+    ray.get(stack.broadcaster.sync.remote(version))
+    for step in range(args.steps):
+        t0 = time.perf_counter()
+        groups = await tool_groups(runners, task, args.group_size, args.prompts_per_step)
+        ray.get(stack.buffer.add.remote(groups))
+        batch = ray.get(stack.buffer.get_batch.remote(len(groups), current_version=version))
+        samples = [s for g in ray.get([g.ref for g in batch]) for s in g]
+        metrics = ray.get(stack.trainer.train_step.remote(batch))
+        version = metrics["weight_version"]
+        ray.get(stack.broadcaster.sync.remote(version))
+        record = step_record(
+            step,
+            samples,
+            metrics,
+            tool_calls_mean=sum(s.metadata["tool_calls"] for s in samples) / len(samples),
+            policy_tokens_mean=sum(sum(s.loss_mask) for s in samples) / len(samples),
+            masked_tokens_mean=sum(len(s.loss_mask) - sum(s.loss_mask) for s in samples) / len(samples),
+            step_s=time.perf_counter() - t0,
+        )
+        log.write(record)
+        print(json.dumps(record))
 
 
 if __name__ == "__main__":

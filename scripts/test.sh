@@ -7,4 +7,5 @@ bash scripts/setup_vllm.sh
 bash scripts/setup_sglang.sh
 export RAY_TMPDIR="${RAY_TMPDIR:-/tmp/miles_ray_ray}"
 ruff check src tests benchmarks examples
+ruff format --check src tests benchmarks examples
 python -m pytest -q tests "$@"

@@ -2,30 +2,30 @@
 
 Five standalone actors, each with a typed config beside it:
 
-- ``TrainerGroup`` (trainer ranks, torch FSDP2/DDP backend)
-- ``RolloutPool`` (rollout engines; the embedded pure-PyTorch engine by default, or vLLM servers)
+- ``TrainerGroup`` (trainer ranks: torch FSDP2/DDP or megatron-core backend, one RL step for both)
+- ``RolloutPool`` (rollout engines; the embedded pure-PyTorch engine by default, or vLLM / SGLang servers)
 - ``Router`` (load balancing, health checks, eviction)
 - ``ReplayBuffer`` (sample groups by reference, staleness bound)
 - ``WeightBroadcaster`` (trainer -> engine weight sync, bucketed, versioned, verified)
-- fully async rollout: ``RolloutWorker`` streams sample groups into the buffer while the trainer trains
+- fully async rollout: ``AsyncRollout`` streams sample groups into the buffer while the trainer trains
 - for PPO: ``CriticGroup`` (value model ranks) and ``ReferenceGroup`` (frozen reference ranks)
 
-``miles_ray.placement`` plans colocated or disaggregated placement groups. See ``examples/quickstart.py``.
+``miles_ray.placement`` plans colocated or disaggregated placement groups; ``miles_ray.stack.build_stack`` builds
+the whole stack from its configs in one call. See ``examples/quickstart.py``.
 """
 
 from miles_ray import placement
 from miles_ray.actors import (
+    AsyncRollout,
+    AsyncRolloutConfig,
     CriticGroup,
     CriticGroupConfig,
-    GroupRef,
     ReferenceGroup,
     ReferenceGroupConfig,
     ReplayBuffer,
     ReplayBufferConfig,
     RolloutPool,
     RolloutPoolConfig,
-    RolloutWorker,
-    RolloutWorkerConfig,
     Router,
     RouterConfig,
     TrainerGroup,
@@ -34,27 +34,39 @@ from miles_ray.actors import (
     WeightBroadcasterConfig,
     WeightSyncError,
 )
-from miles_ray.engines.base import GenerateRequest, SamplingParams
+from miles_ray.deprecation import moved
 from miles_ray.engines.embedded import EmbeddedEngineConfig
 from miles_ray.engines.http_server import HttpServerConfig
+from miles_ray.engines.requests import GenerateRequest, SamplingParams
 from miles_ray.engines.sglang import SGLangEngineConfig
 from miles_ray.engines.vllm import VLLMEngineConfig
 from miles_ray.hooks import TrainerHooksConfig
-from miles_ray.types import RolloutBatch, Sample
+from miles_ray.stack import Stack, StackConfig, build_stack
+from miles_ray.types import GroupRef, Prompt, RolloutBatch, Sample
+
+# names of earlier releases: they resolve, with a DeprecationWarning naming the new one
+__getattr__ = moved(
+    __name__,
+    {
+        "RolloutWorker": "miles_ray.actors.async_rollout:AsyncRollout",
+        "RolloutWorkerConfig": "miles_ray.actors.async_rollout:AsyncRolloutConfig",
+    },
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AsyncRollout",
+    "AsyncRolloutConfig",
     "CriticGroup",
     "CriticGroupConfig",
     "EmbeddedEngineConfig",
     "GenerateRequest",
     "GroupRef",
     "HttpServerConfig",
+    "Prompt",
     "ReferenceGroup",
     "ReferenceGroupConfig",
-    "RolloutWorker",
-    "RolloutWorkerConfig",
     "ReplayBuffer",
     "ReplayBufferConfig",
     "RolloutBatch",
@@ -64,6 +76,8 @@ __all__ = [
     "RouterConfig",
     "Sample",
     "SamplingParams",
+    "Stack",
+    "StackConfig",
     "TrainerGroup",
     "TrainerGroupConfig",
     "TrainerHooksConfig",
@@ -72,5 +86,6 @@ __all__ = [
     "WeightBroadcaster",
     "WeightBroadcasterConfig",
     "WeightSyncError",
+    "build_stack",
     "placement",
 ]

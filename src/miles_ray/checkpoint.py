@@ -5,8 +5,8 @@ One checkpoint is one directory ``root/step_<step>/``:
 - ``trainer/``: torch DCP shards of model and optimizer, each rank's RNG, the weight version (``TrainerGroup.save``)
 - ``critic/``: the same for a PPO critic, when given
 - ``buffer.pkl``: every group the ReplayBuffer holds, payloads included, and its counters
-- ``data.pkl``: the data position: a data source's ``state_dict()`` (sync drivers) or a stopped
-  ``RolloutWorker``'s ``state()`` (fully async drivers, with the prompts handed out but not in the buffer)
+- ``data.pkl``: the data position: a data source's ``state_dict()`` (lockstep drivers) or a stopped
+  ``AsyncRollout``'s ``state()`` (fully async drivers, with the prompts handed out but not in the buffer)
 - ``run.json``: step, weight version, the driver's ``extra`` dict; written last, so its presence marks a
   complete checkpoint. The driver process's Python and torch RNG states go into ``driver_rng.pkl``.
 
@@ -32,6 +32,7 @@ import random
 import shutil
 import time
 import uuid
+import warnings
 from pathlib import Path
 
 import ray
@@ -56,9 +57,10 @@ class RunCheckpointer:
         *,
         critic=None,
         buffer=None,
-        rollout_worker=None,
+        async_rollout=None,
         data_source=None,
         extra: dict | None = None,
+        rollout_worker=None,
     ) -> Path:
         """Checkpoint the run after ``step``; returns the checkpoint directory.
 
@@ -67,18 +69,20 @@ class RunCheckpointer:
             trainer: the ``TrainerGroup``.
             critic: a PPO ``CriticGroup``, if any.
             buffer: the ``ReplayBuffer``, if its contents must survive (async runs hold groups across steps).
-            rollout_worker: a stopped ``RolloutWorker`` (async runs): its data source and unsent prompts.
-            data_source: the driver's data source (sync runs), with ``state_dict()``.
+            async_rollout: a stopped ``AsyncRollout`` (async runs): its data source and unsent prompts.
+            data_source: the driver's data source (lockstep runs), with ``state_dict()``.
             extra: JSON-serialisable driver state.
+            rollout_worker: the deprecated name of ``async_rollout``.
 
         Raises:
-            ValueError: if both ``rollout_worker`` and ``data_source`` are given (neither: no data position saved).
+            ValueError: if both ``async_rollout`` and ``data_source`` are given (neither: no data position saved).
             TypeError: if ``data_source`` has no ``state_dict()``.
             Anything a part raises: the previous checkpoint stays the latest.
 
         """
-        if rollout_worker is not None and data_source is not None:
-            raise ValueError("give rollout_worker (async runs) or data_source (sync runs), not both")
+        async_rollout = _renamed(async_rollout, rollout_worker)
+        if async_rollout is not None and data_source is not None:
+            raise ValueError("give async_rollout (async runs) or data_source (lockstep runs), not both")
         for old in self.root.glob(".tmp-step_*"):  # leftovers of a save that crashed
             shutil.rmtree(old, ignore_errors=True)
         name = f"step_{step:08d}"
@@ -89,8 +93,8 @@ class RunCheckpointer:
             ray.get(critic.save.remote(str(tmp / "critic")))
         if buffer is not None:
             _write_pickle(tmp / "buffer.pkl", ray.get(buffer.state.remote()))
-        if rollout_worker is not None:
-            _write_pickle(tmp / "data.pkl", {"kind": "rollout_worker", "state": ray.get(rollout_worker.state.remote())})
+        if async_rollout is not None:
+            _write_pickle(tmp / "data.pkl", {"kind": "async_rollout", "state": ray.get(async_rollout.state.remote())})
         elif data_source is not None:
             if not hasattr(data_source, "state_dict"):
                 raise TypeError(f"{type(data_source).__name__} has no state_dict(): its position cannot be saved")
@@ -141,9 +145,10 @@ class RunCheckpointer:
         *,
         critic=None,
         buffer=None,
-        rollout_worker=None,
+        async_rollout=None,
         data_source=None,
         restore_driver_rng: bool = True,
+        rollout_worker=None,
     ) -> dict:
         """Restore what ``save`` wrote into the given actors and data source; returns ``run.json``.
 
@@ -154,11 +159,12 @@ class RunCheckpointer:
             FileNotFoundError: if there is no complete checkpoint there, or it lacks a part asked for.
 
         """
+        async_rollout = _renamed(async_rollout, rollout_worker)
         path = Path(path) if path is not None else self.latest()
         if path is None or not (path / "run.json").exists():
             raise FileNotFoundError(f"no complete checkpoint at {path or self.root}")
         meta = json.loads((path / "run.json").read_text())
-        asked = {"critic": critic, "buffer.pkl": buffer, "data.pkl": rollout_worker or data_source}
+        asked = {"critic": critic, "buffer.pkl": buffer, "data.pkl": async_rollout or data_source}
         missing = [part for part, target in asked.items() if target is not None and part not in meta["has"]]
         if missing:
             raise FileNotFoundError(f"checkpoint {path} has no {missing} (it holds {meta['has']})")
@@ -167,13 +173,14 @@ class RunCheckpointer:
             ray.get(critic.load.remote(str(path / "critic")))
         if buffer is not None:
             ray.get(buffer.load_state.remote(_read_pickle(path / "buffer.pkl")))
-        if rollout_worker is not None or data_source is not None:
+        if async_rollout is not None or data_source is not None:
             data = _read_pickle(path / "data.pkl")
-            want = "rollout_worker" if rollout_worker is not None else "data_source"
-            if data["kind"] != want:
-                raise ValueError(f"checkpoint {path} saved the data position of a {data['kind']}, not a {want}")
-            if rollout_worker is not None:
-                ray.get(rollout_worker.load_state.remote(data["state"]))
+            kind = "async_rollout" if data["kind"] == "rollout_worker" else data["kind"]  # its name until 2026-12
+            want = "async_rollout" if async_rollout is not None else "data_source"
+            if kind != want:
+                raise ValueError(f"checkpoint {path} saved the data position of a {kind}, not a {want}")
+            if async_rollout is not None:
+                ray.get(async_rollout.load_state.remote(data["state"]))
             else:
                 data_source.load_state_dict(data["state"])
         if restore_driver_rng:
@@ -181,6 +188,18 @@ class RunCheckpointer:
             random.setstate(rng["python"])
             torch.set_rng_state(rng["torch"])
         return meta
+
+
+def _renamed(async_rollout, rollout_worker):
+    """``async_rollout``, or the one given under its deprecated name ``rollout_worker`` (with a warning)."""
+    if rollout_worker is None:
+        return async_rollout
+    warnings.warn(
+        "RunCheckpointer: rollout_worker= is deprecated: use async_rollout=", DeprecationWarning, stacklevel=3
+    )
+    if async_rollout is not None:
+        raise ValueError("give async_rollout only (rollout_worker is its deprecated name)")
+    return rollout_worker
 
 
 def _write_pickle(path: Path, obj) -> None:

@@ -31,8 +31,8 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
+from miles_ray.callables import resolve_callable
 from miles_ray.config import StrictConfig
-from miles_ray.rewards.safe import resolve_callable
 
 HookSpec = str | Callable[..., Any]
 POINTS = ("after_init", "before_logprobs", "before_train_step", "after_train_step", "after_save")

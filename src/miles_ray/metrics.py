@@ -21,8 +21,8 @@ buffer_staleness_mean/max          gauge      ReplayBuffer (of the last batch ta
 buffer_dropped_stale_total         counter    ReplayBuffer
 router_outstanding                 gauge      Router (``engine`` tag: the engine queue depth)
 router_retries_total               counter    Router
-engine_generated_tokens_total      counter    EngineActor (``engine`` tag: rollout throughput)
-rollout_samples_total              counter    RolloutWorker
+engine_generated_tokens_total      counter    EmbeddedEngineActor (``engine`` tag: rollout throughput)
+rollout_samples_total              counter    AsyncRollout
 driver_phase_seconds               gauge      ``record_phases`` from a driver (``phase`` tag)
 =================================  =========  ====================================================
 

@@ -27,10 +27,9 @@ from dataclasses import dataclass, field
 
 import ray
 
-from miles_ray.actors.replay_buffer import GroupRef
 from miles_ray.rewards.safe import SafeReward
 from miles_ray.rollout import apply_reward
-from miles_ray.types import Sample
+from miles_ray.types import GroupRef, Sample
 
 
 @dataclass
@@ -116,11 +115,17 @@ class ChatTurnRunner:
     def __init__(self, client, model: str, tool: ToolFn, max_turns: int = 3, **sampling):
         if max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {max_turns}")
-        self.client, self.model, self.tool, self.max_turns, self.sampling = client, model, tool, max_turns, sampling
+        self.client = client
+        self.model = model
+        self.tool = tool
+        self.max_turns = max_turns
+        self.sampling = sampling
 
     async def run(self, messages: list[dict]) -> Conversation:
         """Run one conversation starting from ``messages`` (not modified)."""
-        messages, turns, calls, text = list(messages), [], 0, ""
+        messages = list(messages)
+        turns: list[Turn] = []
+        calls, text = 0, ""
         for _ in range(self.max_turns):
             resp = await self.client.chat.completions.create(
                 model=self.model, messages=messages, logprobs=True, **self.sampling

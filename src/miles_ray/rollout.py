@@ -3,8 +3,8 @@
 A rollout function has the signature ``(router, task, sampling_params, num_prompts, **kwargs) ->
 list[GroupRef]``; ``RolloutFunctionConfig(fn=...)`` takes another callable or an import path, resolves it once
 and checks every call's result against that contract, to change how samples are generated (multi-turn,
-tools, agents). A data source (``task``) hands out prompts with ``next_prompt()``; each one is checked
-against ``PROMPT_FIELDS`` before it is sent.
+tools, agents). A data source (``task``, ``miles_ray.types.DataSource``) hands out prompts with ``next_prompt()``;
+each one is checked (``miles_ray.types.check_prompt``) before it is sent, as request ``p<uid>``.
 
 Rewards run through ``SafeReward``: a reward function that raises, hangs past its timeout or returns NaN
 yields a sample with zero weight (loss mask all 0), reward 0 and ``metadata["reward_failure"]`` set.
@@ -27,12 +27,20 @@ import ray
 import torch
 from pydantic import Field, model_validator
 
-from miles_ray.actors.replay_buffer import GroupRef
 from miles_ray.algo.shaping import has_reward_variance
+from miles_ray.callables import resolve_callable
 from miles_ray.config import StrictConfig
-from miles_ray.engines.base import GenerateRequest, SamplingParams
-from miles_ray.rewards.safe import SafeGroupReward, SafeReward, resolve_callable
-from miles_ray.types import Sample
+from miles_ray.deprecation import moved
+from miles_ray.engines.requests import GenerateRequest, SamplingParams
+from miles_ray.rewards.safe import SafeGroupReward, SafeReward
+from miles_ray.types import GroupRef, Prompt, Sample
+from miles_ray.types import check_prompt as _check_prompt
+
+# the data-source contract moved to miles_ray.types (with the Prompt type it checks); the old names still resolve
+# here, with a DeprecationWarning
+__getattr__ = moved(
+    __name__, {"check_prompt": "miles_ray.types:check_prompt", "PROMPT_FIELDS": "miles_ray.types:PROMPT_FIELDS"}
+)
 
 
 def apply_reward(reward: SafeReward, text: str, entry, loss_mask: list[int], metadata: dict) -> tuple[float, list[int]]:
@@ -53,29 +61,9 @@ def record_reward(value: float, failure, loss_mask: list[int], metadata: dict) -
     return value, [0] * len(loss_mask)
 
 
-# What a data source's next_prompt() must return (extra keys, e.g. "messages" for chat rollouts, are kept)
-PROMPT_FIELDS: dict[str, type] = {"prompt_ids": list, "entry": dict, "index": int, "uid": int}
-
-
-def check_prompt(prompt: Any, source: object) -> dict:
-    """Validate one ``next_prompt()`` result against ``PROMPT_FIELDS``.
-
-    Raises:
-        ValueError: naming the data source's class and the missing or mistyped field.
-
-    """
-    name = f"{type(source).__name__}.next_prompt()"
-    if not isinstance(prompt, dict):
-        raise ValueError(f"{name} must return a dict with {sorted(PROMPT_FIELDS)}, got {type(prompt).__name__}")
-    for key, kind in PROMPT_FIELDS.items():
-        if key not in prompt:
-            raise ValueError(f"{name} returned no {key!r} (needs {sorted(PROMPT_FIELDS)})")
-        if not isinstance(prompt[key], kind) or isinstance(prompt[key], bool):
-            raise ValueError(f"{name}[{key!r}] must be {kind.__name__}, got {type(prompt[key]).__name__}")
-    ids = prompt["prompt_ids"]
-    if not ids or not all(isinstance(t, int) and t >= 0 for t in ids):
-        raise ValueError(f"{name}['prompt_ids'] must be a non-empty list of token ids (ints >= 0)")
-    return prompt
+def request_id(prompt: Prompt) -> str:
+    """The request id of a prompt's generation: ``p<uid>`` (unique in a run, so ``abort`` finds it)."""
+    return f"p{prompt['uid']}"
 
 
 class RolloutFunctionConfig(StrictConfig):
@@ -149,7 +137,8 @@ def generate_groups(
         raise ValueError(f"max_rounds must be >= 1, got {max_rounds}")
     keep = resolve_callable(group_filter, "group_filter") if group_filter is not None else None
     reward = reward or SafeReward(task.reward)
-    kept, generated, rounds = [], 0, 0
+    kept: list = []  # (samples, weight version, uid) of the groups the filter keeps
+    generated, rounds = 0, 0
     while len(kept) < num_prompts and rounds < max_rounds:
         rounds += 1
         batch = _generate_round(router, task, params, num_prompts - len(kept), reward)
@@ -167,17 +156,15 @@ def first_version(out) -> int:
 
 def _generate_round(router, task, params: SamplingParams, num_prompts: int, reward: SafeReward):
     """``num_prompts`` rewarded groups as ``(samples, weight_version, uid)``."""
-    prompts = [check_prompt(task.next_prompt(), task) for _ in range(num_prompts)]
-    futures = [
-        router.generate.remote(GenerateRequest(p["prompt_ids"], params, request_id=f"p{p['index']}")) for p in prompts
-    ]
+    prompts = [_check_prompt(task.next_prompt(), task) for _ in range(num_prompts)]
+    futures = [router.generate.remote(GenerateRequest(p["prompt_ids"], params, request_id(p))) for p in prompts]
     groups = []
     for prompt, out in zip(prompts, ray.get(futures)):
         groups.append((build_group(prompt, out, reward), first_version(out), prompt["uid"]))
     return groups
 
 
-def build_group(prompt: dict, out, reward: SafeReward | SafeGroupReward) -> list[Sample]:
+def build_group(prompt: Prompt, out, reward: SafeReward | SafeGroupReward) -> list[Sample]:
     """The rewarded samples of one prompt's ``GenerateOutput`` (a failed reward zeroes that sample's loss mask)."""
     if isinstance(reward, SafeGroupReward):  # one call scores the whole group
         scored = reward([c.text for c in out.completions], prompt["entry"])
@@ -185,8 +172,11 @@ def build_group(prompt: dict, out, reward: SafeReward | SafeGroupReward) -> list
         scored = [reward(c.text, prompt["entry"]) for c in out.completions]
     samples = []
     for c, (value, failure) in zip(out.completions, scored):
-        metadata = {"answer": prompt["entry"].get("answer"), "engine_id": out.engine_id,
-                    "last_weight_version": out.weight_version}  # fmt: skip
+        metadata = {
+            "answer": prompt["entry"].get("answer"),
+            "engine_id": out.engine_id,
+            "last_weight_version": out.weight_version,
+        }
         value, loss_mask = record_reward(value, failure, [1] * len(c.token_ids), metadata)
         samples.append(
             Sample(

@@ -1,17 +1,91 @@
-"""Data that flows between actors: ``Sample`` (one response) and ``RolloutBatch`` (a padded train batch).
+"""Data that flows between actors, and the data-source contract.
 
-A ``Sample`` is what a rollout function produces and the ``ReplayBuffer`` stores (in the Ray object
-store). ``RolloutBatch.from_samples`` pads a list of samples into the tensors the trainer consumes.
+- ``Prompt``: what a data source's ``next_prompt()`` returns (checked by ``check_prompt``); its ``uid`` is the
+  prompt's one identity: the GRPO group id, the request id (``p<uid>``), the key of prompts in flight.
+- ``Sample``: one response and everything training needs about it, produced by a rollout function.
+- ``GroupRef``: one prompt's samples put in the Ray object store, as the ``ReplayBuffer`` holds them.
+- ``RolloutBatch``: samples padded into the tensors the trainer consumes (``RolloutBatch.from_samples``).
 
-Shapes: ``B`` samples, ``T`` the longest prompt+response length in the batch.
+Shapes: ``B`` samples, ``T`` the longest prompt+response length in the batch. Nothing here imports Ray.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+from typing_extensions import NotRequired, TypedDict
+
+if TYPE_CHECKING:
+    from ray import ObjectRef
+
+
+class Prompt(TypedDict):
+    """One prompt from a data source: ``prompt_ids``, the ``entry`` the reward sees, the ``uid``.
+
+    ``uid`` must never repeat within a run (count the prompts handed out). Extra keys are kept: ``messages``
+    (the chat messages, for rollouts through an OpenAI chat API), a dataset ``index``, anything a custom
+    rollout function reads.
+    """
+
+    prompt_ids: list[int]
+    entry: dict[str, Any]
+    uid: int
+    messages: NotRequired[list[dict[str, Any]]]
+
+
+# the required keys of a Prompt and their types, as check_prompt enforces them
+PROMPT_FIELDS: dict[str, type] = {"prompt_ids": list, "entry": dict, "uid": int}
+
+
+class DataSource(Protocol):
+    """What the rollout functions and ``AsyncRollout`` need from a data source (``ReasoningGymTask`` is one).
+
+    ``state_dict()`` / ``load_state_dict(state)`` (the data position) are optional: a run checkpoint needs them.
+    """
+
+    def next_prompt(self) -> Prompt:
+        """The next prompt; called once per group."""
+        ...
+
+    def reward(self, response_text: str, entry: dict[str, Any], /) -> float:
+        """The reward of one response (the default reward function of the rollout; called positionally)."""
+        ...
+
+
+def check_prompt(prompt: Any, source: object) -> Prompt:
+    """Validate one ``next_prompt()`` result against ``PROMPT_FIELDS``.
+
+    Raises:
+        ValueError: naming the data source's class and the missing or mistyped field.
+
+    """
+    name = f"{type(source).__name__}.next_prompt()"
+    if not isinstance(prompt, dict):
+        raise ValueError(f"{name} must return a dict with {sorted(PROMPT_FIELDS)}, got {type(prompt).__name__}")
+    for key, kind in PROMPT_FIELDS.items():
+        if key not in prompt:
+            raise ValueError(f"{name} returned no {key!r} (needs {sorted(PROMPT_FIELDS)})")
+        if not isinstance(prompt[key], kind) or isinstance(prompt[key], bool):
+            raise ValueError(f"{name}[{key!r}] must be {kind.__name__}, got {type(prompt[key]).__name__}")
+    ids = prompt["prompt_ids"]
+    if not ids or not all(isinstance(t, int) and t >= 0 for t in ids):
+        raise ValueError(f"{name}['prompt_ids'] must be a non-empty list of token ids (ints >= 0)")
+    return prompt
+
+
+@dataclass(frozen=True)
+class GroupRef:
+    """A reference to one stored group (a ``list[Sample]`` in the object store) and what is known without fetching it.
+
+    ``group_id`` is the prompt's ``uid``; ``weight_version`` the oldest version that generated the group.
+    """
+
+    ref: ObjectRef
+    num_samples: int
+    weight_version: int
+    group_id: int
 
 
 @dataclass
@@ -25,7 +99,7 @@ class Sample:
         loss_mask: 1 for response tokens the policy generated and is trained on, 0 for tokens it did not
             (tool outputs in multi-turn rollouts); ``len(response_ids)``.
         reward: scalar reward, set by the reward function.
-        group_id: samples that answer the same prompt share a group id (GRPO groups).
+        group_id: the prompt's ``uid``: samples that answer the same prompt share it (GRPO groups).
         weight_version: the (oldest) engine weight version that generated the response; if weights were updated
             mid-response, ``metadata["last_weight_version"]`` holds the newest.
         finish_reason: ``"stop"`` (stop token/string), ``"length"`` (max tokens) or ``"abort"``.
@@ -94,6 +168,14 @@ class RolloutBatch:
     def num_samples(self) -> int:
         """Number of samples ``B``."""
         return int(self.input_ids.shape[0])
+
+    def first_trained_position(self) -> int:
+        """The first logprob position (``[B, T-1]`` alignment) any sample trains on; the last position if none.
+
+        Backends form logits only from here on: prompt positions carry no loss.
+        """
+        nonzero = self.response_mask.any(dim=0).nonzero()
+        return int(nonzero[0]) if nonzero.numel() else self.response_mask.shape[1] - 1
 
     @classmethod
     def from_samples(cls, samples: list[Sample], pad_id: int, advantages: torch.Tensor | None = None) -> RolloutBatch:

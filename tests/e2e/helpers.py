@@ -10,15 +10,29 @@ import pytest
 import ray
 
 from miles_ray.actors import RolloutPool, RolloutPoolConfig, Router, RouterConfig
-from miles_ray.actors.replay_buffer import GroupRef
 from miles_ray.engines.embedded import EmbeddedEngineConfig
 from miles_ray.sync.checksum import buckets_checksum
 from miles_ray.sync.shm import as_tensor
-from miles_ray.types import Sample
+from miles_ray.types import GroupRef, Sample
+
+
+def tiny_stack(pl, model_path, num_ranks=1, num_engines=1, trainer: dict | None = None, **fields):
+    """``build_stack`` on ``pl``: a trainer at lr 1e-3 (plus ``trainer`` fields), fp32 embedded engines, and the
+    other ``StackConfig`` ``fields`` as given (router, buffer, broadcaster, critic, reference, name_prefix)."""
+    from miles_ray.stack import StackConfig, build_stack
+
+    config = StackConfig(
+        trainer={"model_path": model_path, "num_ranks": num_ranks, "optimizer": {"lr": 1e-3}, **(trainer or {})},
+        pool={"num_engines": num_engines, "engine": {"model_path": model_path}},
+        **fields,
+    )
+    return build_stack(config, pl)
 
 
 def engines_and_router(pl, model_path, num_engines, router_config=None):
-    """Pool, its engines and a router. Keep the pool handle: the engines die with the pool actor."""
+    """Pool, its engines and a router, for tests that need no trainer (``build_stack`` builds a whole stack).
+
+    Keep the pool handle: the engines die with the pool actor."""
     pool_config = RolloutPoolConfig(num_engines=num_engines, engine=EmbeddedEngineConfig(model_path=model_path))
     pool = RolloutPool.remote(pool_config, pl)
     engines = ray.get(pool.engines.remote())
@@ -32,8 +46,8 @@ def server_python(env_var: str, venv: str, probe: str, env: dict | None = None) 
     """The interpreter of a server engine's own venv: ``$env_var`` or ``ROOT/venv``, if ``probe`` imports there."""
     for python in (os.environ.get(env_var), str(ROOT / venv / "bin" / "python")):
         if python and Path(python).exists():
-            run = subprocess.run([python, "-c", f"import {probe}"], capture_output=True, timeout=300,
-                                 env={**os.environ, **(env or {})})  # fmt: skip
+            env = {**os.environ, **(env or {})}
+            run = subprocess.run([python, "-c", f"import {probe}"], capture_output=True, timeout=300, env=env)
             if run.returncode == 0:
                 return python
     return None
@@ -59,9 +73,10 @@ def sglang_stack(lora=None, trainer_backend: dict | None = None):
     1-rank trainer (lr 1e-2, ``trainer_backend``) and two broadcasters (``broadcast`` over gloo, ``shared_memory``),
     on one colocated bundle. Skips without an SGLang environment (``scripts/setup_sglang.sh``)."""
     from miles_ray import placement
-    from miles_ray.actors import TrainerGroup, TrainerGroupConfig, WeightBroadcaster, WeightBroadcasterConfig
+    from miles_ray.actors import WeightBroadcaster, WeightBroadcasterConfig
     from miles_ray.engines.sglang import SITE_DIR, SGLangEngineConfig
     from miles_ray.models.hub import tiny_llama_dir
+    from miles_ray.stack import StackConfig, build_stack
 
     shim = {"PYTHONPATH": str(SITE_DIR), "SGLANG_USE_CPU_ENGINE": "1"}  # the CPU shim, as the engine sets it
     python = server_python("MILES_RAY_SGLANG_PYTHON", ".venv-sglang", "sglang.srt.entrypoints.http_server", shim)
@@ -70,28 +85,34 @@ def sglang_stack(lora=None, trainer_backend: dict | None = None):
     model_path = str(tiny_llama_dir())
     pl = placement.create(placement.colocated(1))
     engine = SGLangEngineConfig(model_path=model_path, python=python, context_length=512, lora=lora)
-    pool = RolloutPool.remote(RolloutPoolConfig(engine=engine, served_model_name="tiny"), pl)
-    engines = ray.get(pool.engines.remote())
-    config = TrainerGroupConfig(model_path=model_path, optimizer={"lr": 1e-2}, backend=trainer_backend or {})
-    trainer = TrainerGroup.remote(config, pl)
-    workers = ray.get(trainer.workers.remote())
-    broadcast = WeightBroadcasterConfig(transport="broadcast", backend="gloo")
+    config = StackConfig(
+        trainer={"model_path": model_path, "optimizer": {"lr": 1e-2}, "backend": trainer_backend or {}},
+        pool=RolloutPoolConfig(engine=engine, served_model_name="tiny"),
+        broadcaster=WeightBroadcasterConfig(transport="broadcast", collective="gloo"),
+    )
+    stack = build_stack(config, pl)
+    shared_memory = WeightBroadcasterConfig(transport="shared_memory")
+    workers = ray.get(stack.trainer.workers.remote())
     try:
         yield {
-            "pl": pl, "pool": pool, "engines": engines, "router": Router.remote(RouterConfig(), engines),
-            "trainer": trainer, "model_path": model_path, "url": ray.get(engines[0].health.remote())["url"],
-            "broadcast": WeightBroadcaster.remote(broadcast, workers, engines),
-            "shared_memory": WeightBroadcaster.remote(WeightBroadcasterConfig(transport="shared_memory"), workers,
-                                                      engines),
-        }  # fmt: skip
+            "pl": pl,
+            "pool": stack.pool,
+            "engines": list(stack.engines),
+            "router": stack.router,
+            "trainer": stack.trainer,
+            "model_path": model_path,
+            "url": ray.get(stack.engines[0].health.remote())["url"],
+            "broadcast": stack.broadcaster,
+            "shared_memory": WeightBroadcaster.remote(shared_memory, workers, list(stack.engines)),
+        }
     finally:
-        ray.get(engines[0].shutdown.remote())
+        ray.get(stack.engines[0].shutdown.remote())
         ray.util.remove_placement_group(pl.pg)
 
 
 def sglang_generate(stack, n=4, max_new_tokens=10):
     """``n`` samples of ``SGLANG_PROMPT`` through the stack's router (temperature 1, no EOS)."""
-    from miles_ray.engines.base import GenerateRequest, SamplingParams
+    from miles_ray.engines.requests import GenerateRequest, SamplingParams
 
     params = SamplingParams(n=n, max_new_tokens=max_new_tokens, temperature=1.0, ignore_eos=True)
     return ray.get(stack["router"].generate.remote(GenerateRequest(list(SGLANG_PROMPT), params)))
@@ -104,8 +125,9 @@ def sglang_diff_to_trainer(stack, out) -> float:
 
 def sglang_train_step(stack, out) -> dict:
     """One train step on ``out``'s completions with rewards 0, 1, 0, 1, ... (non-zero GRPO advantages)."""
-    samples = [Sample(list(SGLANG_PROMPT), c.token_ids, c.logprobs, reward=float(i % 2))
-               for i, c in enumerate(out.completions)]  # fmt: skip
+    samples = [
+        Sample(list(SGLANG_PROMPT), c.token_ids, c.logprobs, reward=float(i % 2)) for i, c in enumerate(out.completions)
+    ]
     return ray.get(stack["trainer"].train_step.remote([GroupRef(ray.put(samples), len(samples), 0, 0)]))
 
 
@@ -130,7 +152,7 @@ def sglang_train_and_sync(stack, transport: str) -> dict:
 
 def check_in_place_pause_holds_requests(engine, router) -> None:
     """A request sent while ``engine`` is paused ``in_place`` waits, and finishes in full after ``resume``."""
-    from miles_ray.engines.base import GenerateRequest, SamplingParams
+    from miles_ray.engines.requests import GenerateRequest, SamplingParams
 
     ray.get(engine.pause.remote("in_place"))
     pending = router.generate.remote(GenerateRequest([1, 2, 3], SamplingParams(n=1, max_new_tokens=4)))
@@ -142,7 +164,7 @@ def check_in_place_pause_holds_requests(engine, router) -> None:
 
 def abort_running_request(engine, max_new_tokens: int):
     """Start a long request, abort it while the server is paused (so it cannot finish first), resume; its output."""
-    from miles_ray.engines.base import GenerateRequest, SamplingParams
+    from miles_ray.engines.requests import GenerateRequest, SamplingParams
 
     long = GenerateRequest([1, 2, 3], SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True), request_id="long")
     future = engine.generate.remote(long)
@@ -179,7 +201,7 @@ def grpo_in_step(trainer, router, wb, model_path, steps=2, check=None) -> list[s
     from transformers import AutoTokenizer
 
     from miles_ray.actors import ReplayBuffer, ReplayBufferConfig
-    from miles_ray.engines.base import SamplingParams
+    from miles_ray.engines.requests import SamplingParams
     from miles_ray.rollout import generate_groups
 
     buffer = ReplayBuffer.remote(ReplayBufferConfig())
@@ -214,7 +236,7 @@ class ShortResponseTask:
     def next_prompt(self):
         self.position += 1
         ids = self.tokenizer(f"Count to {self.position}:", add_special_tokens=False)["input_ids"]
-        return {"prompt_ids": ids, "entry": {"answer": None}, "index": self.position, "uid": self.position}
+        return {"prompt_ids": ids, "entry": {"answer": None}, "uid": self.position}
 
     def state_dict(self):
         return {"position": self.position}

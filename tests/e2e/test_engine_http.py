@@ -3,12 +3,13 @@
 import pytest
 import ray
 import requests
+from helpers import wait_until_decoding
 
 from miles_ray import placement
 from miles_ray.actors import RolloutPool, RolloutPoolConfig
-from miles_ray.engines.base import GenerateRequest, SamplingParams
 from miles_ray.engines.embedded import EmbeddedEngineConfig
 from miles_ray.engines.http_server import HttpServerConfig
+from miles_ray.engines.requests import GenerateRequest, SamplingParams
 
 pytestmark = pytest.mark.e2e
 
@@ -31,8 +32,7 @@ def test_pool_engines_serve_openai_and_ray_at_once(make_placement, tiny_model_pa
 
     # a long Ray request is running on engine 0 when an OpenAI chat request arrives over HTTP
     long = engines[0].generate.remote(GenerateRequest([1, 2, 3], SamplingParams(max_new_tokens=1500, ignore_eos=True)))
-    while ray.get(engines[0].health.remote())["running"] == 0:
-        pass
+    wait_until_decoding(engines[0])
     client = OpenAI(base_url=f"{urls[0]}/v1", api_key="secret")
     resp = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=20)
     assert resp.model == "tiny" and len(resp.choices[0].token_ids) <= 20 and resp.prompt_token_ids

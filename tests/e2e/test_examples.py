@@ -12,11 +12,16 @@ pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_tool_use_example_runs_one_step(tmp_path, tiny_model_path):
-    cmd = [sys.executable, "examples/tool_use.py", "--model", "tiny", "--steps", "1", "--num-ranks", "1"]
-    cmd += ["--prompts-per-step", "2", "--group-size", "2", "--out", str(tmp_path)]
+def _run(cmd: list[str]) -> subprocess.CompletedProcess:
+    """Run an example as a user would, from the repository root; it must succeed."""
     proc = subprocess.run(cmd, cwd=ROOT, env=os.environ.copy(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def test_tool_use_example_runs_one_step(tmp_path, tiny_model_path):
+    cmd = [sys.executable, "examples/tool_use.py", "--model", "tiny", "--steps", "1", "--num-ranks", "1"]
+    _run(cmd + ["--prompts-per-step", "2", "--group-size", "2", "--out", str(tmp_path)])
     [record] = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert record["step"] == 0 and record["policy_tokens_mean"] > 0 and 0.0 <= record["reward_mean"] <= 1.0
 
@@ -24,10 +29,22 @@ def test_tool_use_example_runs_one_step(tmp_path, tiny_model_path):
 def test_ppo_example_runs_two_steps(tmp_path, tiny_model_path):
     """Seven actors (critic and reference included) on one colocated bundle; the critic's metrics are logged."""
     cmd = [sys.executable, "examples/ppo.py", "--model", "tiny", "--steps", "2", "--num-ranks", "1"]
-    cmd += ["--prompts-per-step", "2", "--samples-per-prompt", "2", "--out", str(tmp_path)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=os.environ.copy(), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    _run(cmd + ["--prompts-per-step", "2", "--samples-per-prompt", "2", "--out", str(tmp_path)])
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["weight_version"] for r in records] == [1, 2]
     assert records[0]["ref_kl"] == pytest.approx(0.0, abs=1e-6) and records[0]["value_loss"] >= 0
     assert (tmp_path / "reward_curve.png").exists()
+
+
+def test_quickstart_runs_checkpoints_and_resumes(tmp_path, tiny_model_path):
+    """Two lockstep steps with a whole-run checkpoint after each (under the deprecated ``--mode sync``), then a
+    resumed run that continues at step 2 from the checkpoint and keeps the log of the steps before it."""
+    base = [sys.executable, "examples/quickstart.py", "--model", "tiny", "--num-ranks", "1", "--prompts-per-step", "2"]
+    base += ["--group-size", "2", "--max-new-tokens", "8", "--out", str(tmp_path), "--checkpoint-every", "1"]
+    first = _run(base + ["--steps", "2", "--mode", "sync"])
+    assert "--mode sync is deprecated: use --mode lockstep" in first.stderr
+    second = _run(base + ["--steps", "3", "--resume"])
+    assert "at step 2" in second.stdout
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 1, 2] and [r["weight_version"] for r in records] == [1, 2, 3]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*")) == ["step_00000002", "step_00000003"]

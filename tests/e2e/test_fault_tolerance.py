@@ -8,21 +8,13 @@ import time
 
 import pytest
 import ray
-from helpers import ShortResponseTask, engines_and_router, synthetic_group, trainer_checksum
+from helpers import ShortResponseTask, synthetic_group, tiny_stack, trainer_checksum
 from transformers import AutoTokenizer
 
 from miles_ray import placement
-from miles_ray.actors import (
-    ReplayBuffer,
-    ReplayBufferConfig,
-    RouterConfig,
-    TrainerGroup,
-    TrainerGroupConfig,
-    WeightBroadcaster,
-    WeightBroadcasterConfig,
-)
+from miles_ray.actors import TrainerGroup, TrainerGroupConfig
 from miles_ray.checkpoint import RunCheckpointer
-from miles_ray.engines.base import GenerateRequest, SamplingParams
+from miles_ray.engines.requests import GenerateRequest, SamplingParams
 from miles_ray.fault import heal_engines, restart_trainer
 from miles_ray.rollout import generate_groups
 
@@ -60,10 +52,10 @@ def test_non_finite_step_is_skipped_and_reported(make_placement, tiny_model_path
 def test_killed_engine_mid_rollout_loses_no_prompt_and_returns_with_current_weights(make_placement, tiny_model_path):
     """Disaggregated (broadcast transport): kill engine 0 with requests in flight, then heal it."""
     pl = make_placement(placement.disaggregated(1, 2))
-    trainer = TrainerGroup.remote(TrainerGroupConfig(model_path=tiny_model_path, optimizer={"lr": 1e-3}), pl)
-    router_config = RouterConfig(policy="round_robin", health_interval_s=0.2, max_health_failures=1)
-    pool, engines, router = engines_and_router(pl, tiny_model_path, 2, router_config)
-    wb = WeightBroadcaster.remote(WeightBroadcasterConfig(), ray.get(trainer.workers.remote()), engines)
+    router = {"policy": "round_robin", "health_interval_s": 0.2, "max_health_failures": 1}
+    stack = tiny_stack(pl, tiny_model_path, num_engines=2, router=router)
+    trainer, pool, router, wb = stack.trainer, stack.pool, stack.router, stack.broadcaster
+    engines, buffer = stack.engines, stack.buffer
     ray.get(trainer.train_step.remote(synthetic_group(0)))
     ray.get(wb.sync.remote(1))  # engines hold version 1; a respawned engine starts at 0 from disk
     task = ShortResponseTask(AutoTokenizer.from_pretrained(tiny_model_path))
@@ -79,7 +71,6 @@ def test_killed_engine_mid_rollout_loses_no_prompt_and_returns_with_current_weig
     rollout.join(timeout=300)
     stats = ray.get(router.stats.remote())
     assert stats["evicted"] == [0] and stats["retried"] >= 1  # in-flight requests were re-sent to engine 1
-    buffer = ReplayBuffer.remote(ReplayBufferConfig())
     ray.get(buffer.add.remote(groups))
     batch = ray.get(buffer.get_batch.remote(12))
     assert sorted(g.group_id for g in batch) == list(range(1, 13))  # every prompt once: none lost, none doubled

@@ -7,19 +7,12 @@ gets the adapter and samples exactly as the surviving engine does.
 
 import pytest
 import ray
-from helpers import ShortResponseTask, engines_and_router
+from helpers import ShortResponseTask, tiny_stack
 from transformers import AutoTokenizer
 
 from miles_ray import placement
-from miles_ray.actors import (
-    ReplayBuffer,
-    ReplayBufferConfig,
-    TrainerGroup,
-    TrainerGroupConfig,
-    WeightBroadcaster,
-    WeightBroadcasterConfig,
-)
-from miles_ray.engines.base import GenerateRequest, SamplingParams
+from miles_ray.actors import TrainerGroup, TrainerGroupConfig, WeightBroadcaster, WeightBroadcasterConfig
+from miles_ray.engines.requests import GenerateRequest, SamplingParams
 from miles_ray.fault import heal_engines
 from miles_ray.rollout import generate_groups
 
@@ -37,27 +30,19 @@ def _num_params(path) -> int:
 @pytest.mark.parametrize("topology", ["colocated", "disaggregated"])
 def test_lora_grpo_syncs_only_adapters_and_engines_match(make_placement, tiny_model_path, topology):
     n = 2
-    if topology == "colocated":
-        plan, transport, parallel = placement.colocated(n), "shared_memory", "fsdp2"
-    else:
-        plan, transport, parallel = placement.disaggregated(n, n), "broadcast", "ddp"
-    pl = make_placement(plan)
+    pl = make_placement(placement.colocated(n) if topology == "colocated" else placement.disaggregated(n, n))
     lora = {"rank": 4, "alpha": 8, "target_modules": ALL_LINEAR}
-    config = TrainerGroupConfig(
-        model_path=tiny_model_path, num_ranks=n, optimizer={"lr": 1e-2}, backend={"parallel": parallel, "lora": lora}
-    )
-    trainer = TrainerGroup.remote(config, pl)
-    pool, engines, router = engines_and_router(pl, tiny_model_path, n)
-    wb = WeightBroadcaster.remote(
-        WeightBroadcasterConfig(transport=transport), ray.get(trainer.workers.remote()), engines
-    )
+    parallel = "fsdp2" if topology == "colocated" else "ddp"
+    trainer = {"optimizer": {"lr": 1e-2}, "backend": {"parallel": parallel, "lora": lora}}
+    stack = tiny_stack(pl, tiny_model_path, num_ranks=n, num_engines=n, trainer=trainer)  # transport by topology
+    trainer, pool, router, wb = stack.trainer, stack.pool, stack.router, stack.broadcaster
+    engines, buffer = stack.engines, stack.buffer
     full_bytes = 4 * _num_params(tiny_model_path)
     first = ray.get(wb.sync.remote(0))
     assert first["bytes"] < full_bytes / 10  # rank 4 on every linear layer of the tiny model: ~1/20 of it
 
     task = ShortResponseTask(AutoTokenizer.from_pretrained(tiny_model_path))
     params = SamplingParams(n=4, max_new_tokens=12, ignore_eos=True)
-    buffer = ReplayBuffer.remote(ReplayBufferConfig())
     checksums, max_diffs = [first["checksum"]], []
     for _ in range(3):
         ray.get(buffer.add.remote(generate_groups(router, task, params, num_prompts=4)))

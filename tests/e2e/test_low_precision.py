@@ -5,39 +5,25 @@ int4-rounded weights) and the trainer (forward through the same rounding) give t
 """
 
 import pytest
-import ray
 from helpers import grpo_in_step
 
 from miles_ray import placement
-from miles_ray.actors import (
-    RolloutPool,
-    RolloutPoolConfig,
-    Router,
-    RouterConfig,
-    TrainerGroup,
-    TrainerGroupConfig,
-    WeightBroadcaster,
-    WeightBroadcasterConfig,
-)
-from miles_ray.engines.embedded import EmbeddedEngineConfig
 from miles_ray.models.quant import WeightFormatConfig
+from miles_ray.stack import StackConfig, build_stack
 
 pytestmark = pytest.mark.e2e
 
 
 def test_int4_qat_recipe_keeps_engine_and_trainer_in_step(make_placement, tiny_model_path):
     recipe = WeightFormatConfig(format="int4", block=32)
-    pl = make_placement(placement.colocated(1))
-    config = TrainerGroupConfig(
-        model_path=tiny_model_path, optimizer={"lr": 1e-3}, backend={"weight_format": recipe},
-        mismatch_correction={"kind": "tis", "cap": 2.0}, old_logprobs="rollout",
-    )  # fmt: skip
-    trainer = TrainerGroup.remote(config, pl)
-    engine = EmbeddedEngineConfig(model_path=tiny_model_path, weight_format=recipe)
-    pool = RolloutPool.remote(RolloutPoolConfig(num_engines=1, engine=engine), pl)
-    engines = ray.get(pool.engines.remote())
-    router = Router.remote(RouterConfig(), engines)
-    wb = WeightBroadcaster.remote(WeightBroadcasterConfig(transport="shared_memory"), ray.get(trainer.workers.remote()),
-                                  engines)  # fmt: skip
-    checksums = grpo_in_step(trainer, router, wb, tiny_model_path)  # int4 engine == trainer's int4 view
+    trainer = {
+        "model_path": tiny_model_path,
+        "optimizer": {"lr": 1e-3},
+        "backend": {"weight_format": recipe},
+        "mismatch_correction": {"kind": "tis", "cap": 2.0},
+        "old_logprobs": "rollout",
+    }
+    pool = {"engine": {"model_path": tiny_model_path, "weight_format": recipe}}  # one recipe for both sides
+    stack = build_stack(StackConfig(trainer=trainer, pool=pool), make_placement(placement.colocated(1)))
+    checksums = grpo_in_step(stack.trainer, stack.router, stack.broadcaster, tiny_model_path)  # int4 == int4 view
     assert len(set(checksums)) == 2

@@ -7,22 +7,17 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from helpers import grpo_in_step, synthetic_group  # noqa: E402
+from helpers import grpo_in_step, synthetic_group, tiny_stack  # noqa: E402
 
 from miles_ray import placement  # noqa: E402
-from miles_ray.actors import (  # noqa: E402
-    TrainerGroup,
-    TrainerGroupConfig,
-    WeightBroadcaster,
-    WeightBroadcasterConfig,
-)
+from miles_ray.actors import TrainerGroup, TrainerGroupConfig  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.megatron]
 
 
 def _megatron(path, tp, num_ranks=None, lr=1e-2):
-    return TrainerGroupConfig(model_path=path, num_ranks=num_ranks or tp, optimizer={"lr": lr},
-                              backend={"kind": "megatron", "parallel": {"tensor_model_parallel_size": tp}})  # fmt: skip
+    backend = {"kind": "megatron", "parallel": {"tensor_model_parallel_size": tp}}
+    return TrainerGroupConfig(model_path=path, num_ranks=num_ranks or tp, optimizer={"lr": lr}, backend=backend)
 
 
 def _flat(lists):
@@ -45,8 +40,8 @@ def test_tp2_equals_tp1_and_a_tp2_checkpoint_reloads_at_tp1(make_placement, tiny
     ray.get(tp2.save.remote(str(tmp_path / "ckpt")))  # dist_checkpointing, written by 2 TP ranks
     fresh = TrainerGroup.remote(_megatron(tiny_model_path, 1), make_placement(placement.colocated(1)))
     ray.get(fresh.load.remote(str(tmp_path / "ckpt")))  # resharded to TP=1, optimizer state included
-    torch.testing.assert_close(_flat(ray.get(fresh.compute_logprobs.remote(batch))), _flat(after2), atol=1e-6,
-                               rtol=1e-6)  # fmt: skip
+    reloaded = _flat(ray.get(fresh.compute_logprobs.remote(batch)))
+    torch.testing.assert_close(reloaded, _flat(after2), atol=1e-6, rtol=1e-6)
     # one more step from the reloaded state equals one more step of the TP=2 run
     m_fresh, m_tp2 = ray.get([fresh.train_step.remote(batch), tp2.train_step.remote(batch)])
     assert m_fresh["loss"] == pytest.approx(m_tp2["loss"], rel=1e-4)
@@ -103,16 +98,12 @@ def test_untrained_export_round_trips_bit_exact(make_placement, tiny_model_path,
 
 
 def test_grpo_with_megatron_tp2_engines_get_the_weights(make_placement, tiny_model_path):
-    from helpers import engines_and_router
-
     pl = make_placement(placement.disaggregated(2, 1))
-    trainer = TrainerGroup.remote(_megatron(tiny_model_path, 2, lr=1e-3), pl)
-    pool, engines, router = engines_and_router(pl, tiny_model_path, 1)
-    wb = WeightBroadcaster.remote(WeightBroadcasterConfig(transport="broadcast"), ray.get(trainer.workers.remote()),
-                                  engines)  # fmt: skip
+    trainer = _megatron(tiny_model_path, 2, lr=1e-3).model_dump()
+    stack = tiny_stack(pl, tiny_model_path, num_ranks=2, trainer=trainer)  # disaggregated: broadcast transport
 
     def check(samples, metrics):  # TP peers share a data shard: tokens counted once
         assert metrics["num_tokens"] == sum(len(s.response_ids) for s in samples)
 
-    checksums = grpo_in_step(trainer, router, wb, tiny_model_path, check=check)
+    checksums = grpo_in_step(stack.trainer, stack.router, stack.broadcaster, tiny_model_path, check=check)
     assert len(set(checksums)) == 2

@@ -7,42 +7,30 @@ and expert tensors sync to both engines and are verified by checksum.
 
 import pytest
 import ray
-from helpers import grpo_in_step
+from helpers import grpo_in_step, tiny_stack
 
 from miles_ray import placement
-from miles_ray.actors import (
-    RolloutPool,
-    RolloutPoolConfig,
-    Router,
-    RouterConfig,
-    TrainerGroup,
-    TrainerGroupConfig,
-    WeightBroadcaster,
-    WeightBroadcasterConfig,
-)
-from miles_ray.engines.base import SamplingParams
-from miles_ray.engines.embedded import EmbeddedEngineConfig
+from miles_ray.engines.requests import SamplingParams
+from miles_ray.stack import StackConfig, build_stack
 
 pytestmark = pytest.mark.e2e
 
 
 def test_grpo_on_moe_with_routing_replay(make_placement, tiny_moe_path):
     pl = make_placement(placement.disaggregated(2, 2))
-    config = TrainerGroupConfig(model_path=tiny_moe_path, num_ranks=2, optimizer={"lr": 1e-2},
-                                backend={"routing_replay": True, "micro_batch_size": 2})  # fmt: skip
-    trainer = TrainerGroup.remote(config, pl)
-    engine = EmbeddedEngineConfig(model_path=tiny_moe_path, max_seq_len=128)
-    pool = RolloutPool.remote(RolloutPoolConfig(num_engines=2, engine=engine), pl)
-    engines = ray.get(pool.engines.remote())
-    router = Router.remote(RouterConfig(), engines)
-    wb = WeightBroadcaster.remote(WeightBroadcasterConfig(transport="broadcast"), ray.get(trainer.workers.remote()),
-                                  engines)  # fmt: skip
+    backend = {"routing_replay": True, "micro_batch_size": 2}
+    config = StackConfig(
+        trainer={"model_path": tiny_moe_path, "num_ranks": 2, "optimizer": {"lr": 1e-2}, "backend": backend},
+        pool={"num_engines": 2, "engine": {"model_path": tiny_moe_path, "max_seq_len": 128}},
+        broadcaster={"transport": "broadcast"},
+    )
+    stack = build_stack(config, pl)
 
     def check(samples, metrics):  # prompt + all response tokens but the last were fed to the model
         assert all(s.routes.shape == (len(s.prompt_ids) + len(s.response_ids) - 1, 2, 2) for s in samples)
         assert metrics["moe_route_mismatch_frac"] == 0.0  # replayed (and fp32: its own routers agree)
 
-    checksums = grpo_in_step(trainer, router, wb, tiny_moe_path, check=check)
+    checksums = grpo_in_step(stack.trainer, stack.router, stack.broadcaster, tiny_moe_path, check=check)
     assert len(set(checksums)) == 2  # the checksums cover every parameter: routers and fused experts included
 
 
@@ -50,18 +38,16 @@ def test_routes_after_abort_resume_belong_to_the_new_weights(make_placement, tin
     """A sync lands mid-generation (``abort_resume``): the continuation re-prefills the whole sequence on the new
     weights, so its routes cover every fed token and, replayed, give the trainer the engine's tail logprobs."""
     import torch
-    from helpers import engines_and_router, wait_until_decoding
+    from helpers import wait_until_decoding
 
-    from miles_ray.actors.replay_buffer import GroupRef
-    from miles_ray.engines.base import GenerateRequest
-    from miles_ray.types import Sample
+    from miles_ray.engines.requests import GenerateRequest
+    from miles_ray.types import GroupRef, Sample
 
     pl = make_placement(placement.colocated(1))
-    config = TrainerGroupConfig(model_path=tiny_moe_path, optimizer={"lr": 1e-2}, backend={"routing_replay": True})
-    trainer = TrainerGroup.remote(config, pl)
-    pool, engines, _ = engines_and_router(pl, tiny_moe_path, 1)
-    cfg = WeightBroadcasterConfig(transport="shared_memory", in_flight="abort_resume")
-    wb = WeightBroadcaster.remote(cfg, ray.get(trainer.workers.remote()), engines)
+    trainer = {"optimizer": {"lr": 1e-2}, "backend": {"routing_replay": True}}
+    broadcaster = {"transport": "shared_memory", "in_flight": "abort_resume"}
+    stack = tiny_stack(pl, tiny_moe_path, trainer=trainer, broadcaster=broadcaster)
+    trainer, engines, wb = stack.trainer, stack.engines, stack.broadcaster
     ray.get(wb.sync.remote(0))
     # one step so version 1 differs; these samples recorded no route (an empty one), so the trainer routes itself
     step = [Sample([1, 2, 3], [4 + i, 5], [-1.0, -1.0], reward=float(i), routes=torch.empty(0, 2, 2)) for i in range(4)]

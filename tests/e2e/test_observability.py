@@ -6,19 +6,11 @@ import time
 
 import pytest
 import ray
-from helpers import ShortResponseTask, engines_and_router
+from helpers import ShortResponseTask, tiny_stack
 from transformers import AutoTokenizer
 
 from miles_ray import metrics, placement
-from miles_ray.actors import (
-    ReplayBuffer,
-    ReplayBufferConfig,
-    TrainerGroup,
-    TrainerGroupConfig,
-    WeightBroadcaster,
-    WeightBroadcasterConfig,
-)
-from miles_ray.engines.base import SamplingParams
+from miles_ray.engines.requests import SamplingParams
 from miles_ray.rollout import generate_groups
 
 pytestmark = pytest.mark.e2e
@@ -29,11 +21,8 @@ def test_metrics_reach_the_prometheus_endpoint_and_profiler_writes_traces(
 ):
     pl = make_placement(placement.disaggregated(1, 1))
     profile = {"steps": [1], "out_dir": str(tmp_path / "traces")}
-    cfg = TrainerGroupConfig(model_path=tiny_model_path, optimizer={"lr": 1e-3}, profile=profile)
-    trainer = TrainerGroup.remote(cfg, pl)
-    pool, engines, router = engines_and_router(pl, tiny_model_path, 1)
-    wb = WeightBroadcaster.remote(WeightBroadcasterConfig(), ray.get(trainer.workers.remote()), engines)
-    buffer = ReplayBuffer.remote(ReplayBufferConfig(max_staleness=4))
+    stack = tiny_stack(pl, tiny_model_path, trainer={"profile": profile}, buffer={"max_staleness": 4})
+    trainer, engines, router, buffer, wb = stack.trainer, stack.engines, stack.router, stack.buffer, stack.broadcaster
     task = ShortResponseTask(AutoTokenizer.from_pretrained(tiny_model_path))
     params = SamplingParams(n=2, max_new_tokens=8, ignore_eos=True)
     for step in range(2):
@@ -44,13 +33,23 @@ def test_metrics_reach_the_prometheus_endpoint_and_profiler_writes_traces(
     metrics.record_phases({"rollout": 1.5, "train": 2.5})
 
     want = {
-        "ray_miles_ray_train_steps_total", "ray_miles_ray_train_step_seconds_count",
-        "ray_miles_ray_train_samples_total",
-        "ray_miles_ray_trainer_weight_version", "ray_miles_ray_train_loss", "ray_miles_ray_reward_mean",
-        "ray_miles_ray_weight_sync_seconds_count", "ray_miles_ray_weight_sync_bytes_total",
-        "ray_miles_ray_buffer_groups", "ray_miles_ray_buffer_staleness_mean", "ray_miles_ray_router_outstanding",
-        "ray_miles_ray_engine_generated_tokens_total", "ray_miles_ray_driver_phase_seconds",
-    }  # fmt: skip
+        f"ray_miles_ray_{name}"
+        for name in (
+            "train_steps_total",
+            "train_step_seconds_count",
+            "train_samples_total",
+            "trainer_weight_version",
+            "train_loss",
+            "reward_mean",
+            "weight_sync_seconds_count",
+            "weight_sync_bytes_total",
+            "buffer_groups",
+            "buffer_staleness_mean",
+            "router_outstanding",
+            "engine_generated_tokens_total",
+            "driver_phase_seconds",
+        )
+    }
 
     # the cluster is shared by the whole test session: count only what this test's actors recorded
     def worker_id(actor):

@@ -12,8 +12,7 @@ from miles_ray.actors import (
     TrainerGroup,
     TrainerGroupConfig,
 )
-from miles_ray.actors.replay_buffer import GroupRef
-from miles_ray.types import Sample
+from miles_ray.types import GroupRef, Sample
 
 pytestmark = pytest.mark.e2e
 
@@ -27,10 +26,10 @@ def _groups():
 
 
 def _trainer_config(model_path, **kw):
+    advantage, kl = {"kind": "gae", "lam": 0.9}, {"coef": 0.1, "estimator": "k3"}
     return TrainerGroupConfig(
-        model_path=model_path, num_ranks=2, optimizer={"lr": 1e-2}, advantage={"kind": "gae", "lam": 0.9},
-        kl={"coef": 0.1, "estimator": "k3"}, **kw,
-    )  # fmt: skip
+        model_path=model_path, num_ranks=2, optimizer={"lr": 1e-2}, advantage=advantage, kl=kl, **kw
+    )
 
 
 def test_ppo_with_critic_and_reference_actors(make_placement, tiny_model_path):

@@ -24,7 +24,7 @@ from helpers import sglang_diff_to_trainer as _max_diff_to_trainer
 from helpers import sglang_generate as _generate
 from helpers import sglang_train_step as _train_step
 
-from miles_ray.engines.base import GenerateRequest, SamplingParams
+from miles_ray.engines.requests import GenerateRequest, SamplingParams
 from miles_ray.sync.checksum import probe_checksum, probe_rows
 
 pytestmark = [pytest.mark.e2e, pytest.mark.sglang]

@@ -58,8 +58,8 @@ def test_adapter_sync_moves_the_server_with_the_trainer(stack, transport):
 
 def test_full_weight_trainer_is_refused_by_a_lora_engine(stack, make_placement):
     """An engine serving adapters only is refused when the broadcaster is built, not at the first sync."""
-    trainer = TrainerGroup.remote(TrainerGroupConfig(model_path=stack["model_path"]),
-                                  make_placement(placement.colocated(1)))  # fmt: skip
+    pl = make_placement(placement.colocated(1))
+    trainer = TrainerGroup.remote(TrainerGroupConfig(model_path=stack["model_path"]), pl)
     wb = WeightBroadcaster.remote(
         WeightBroadcasterConfig(transport="shared_memory"), ray.get(trainer.workers.remote()), stack["engines"]
     )

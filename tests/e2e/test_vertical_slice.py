@@ -10,18 +10,11 @@ from helpers import ShortResponseTask, engines_and_router, synthetic_group, trai
 from transformers import AutoTokenizer
 
 from miles_ray import placement
-from miles_ray.actors import (
-    ReplayBuffer,
-    ReplayBufferConfig,
-    RouterConfig,
-    TrainerGroup,
-    TrainerGroupConfig,
-    WeightBroadcaster,
-    WeightBroadcasterConfig,
-)
-from miles_ray.engines.base import SamplingParams
+from miles_ray.actors import RouterConfig, TrainerGroup, TrainerGroupConfig
+from miles_ray.engines.requests import SamplingParams
 from miles_ray.rewards.safe import SafeReward
 from miles_ray.rollout import generate_groups
+from miles_ray.stack import StackConfig, build_stack
 
 pytestmark = pytest.mark.e2e
 
@@ -29,25 +22,32 @@ pytestmark = pytest.mark.e2e
 @pytest.mark.parametrize("topology", ["colocated", "disaggregated"])
 def test_grpo_steps_sync_and_match(make_placement, tiny_model_path, topology, record_property):
     n = 2
-    if topology == "colocated":
-        plan, transport = placement.colocated(n), "shared_memory"
-    else:
-        plan, transport = placement.disaggregated(n, n), "broadcast"
-    pl = make_placement(plan)
+    transport = "shared_memory" if topology == "colocated" else "broadcast"
+    pl = make_placement(placement.colocated(n) if topology == "colocated" else placement.disaggregated(n, n))
     # colocated runs the FSDP2 backend, disaggregated the DDP one: both backends are covered
     parallel = "fsdp2" if topology == "colocated" else "ddp"
-    trainer = TrainerGroup.options(name=f"trainer-{topology}").remote(
-        TrainerGroupConfig(
-            model_path=tiny_model_path, num_ranks=n, optimizer={"lr": 1e-3}, backend={"parallel": parallel}
-        ),
-        pl,
+    config = StackConfig(
+        trainer={
+            "model_path": tiny_model_path,
+            "num_ranks": n,
+            "optimizer": {"lr": 1e-3},
+            "backend": {"parallel": parallel},
+        },
+        pool={"num_engines": n, "engine": {"model_path": tiny_model_path}},
+        router={"policy": "round_robin"},
+        buffer={"max_staleness": 0},
+        broadcaster={"transport": transport, "bucket_bytes": 1 << 20},
+        name_prefix=f"slice-{topology}",
     )
-    pool, engines, router = engines_and_router(pl, tiny_model_path, n, RouterConfig(policy="round_robin"))
-    buffer = ReplayBuffer.remote(ReplayBufferConfig(max_staleness=0))
-    broadcaster = WeightBroadcaster.remote(
-        WeightBroadcasterConfig(transport=transport, bucket_bytes=1 << 20), ray.get(trainer.workers.remote()), engines
+    stack = build_stack(config, pl)
+    trainer, engines, router, buffer, broadcaster = (
+        stack.trainer,
+        stack.engines,
+        stack.router,
+        stack.buffer,
+        stack.broadcaster,
     )
-    assert ray.get_actor(f"trainer-{topology}") is not None
+    assert ray.get_actor(f"slice-{topology}/trainer")._actor_id == trainer._actor_id  # reachable by name
 
     task = ShortResponseTask(AutoTokenizer.from_pretrained(tiny_model_path))
     params = SamplingParams(n=4, max_new_tokens=12, ignore_eos=True)
@@ -80,7 +80,7 @@ def test_grpo_steps_sync_and_match(make_placement, tiny_model_path, topology, re
 
 
 def test_router_evicts_killed_engine_and_retries(make_placement, tiny_model_path):
-    from miles_ray.engines.base import GenerateRequest
+    from miles_ray.engines.requests import GenerateRequest
 
     pl = make_placement(placement.disaggregated(1, 2))
     router_config = RouterConfig(policy="round_robin", health_interval_s=0.2, max_health_failures=1)
@@ -175,7 +175,7 @@ def test_dynamic_sampling_drops_flat_groups_and_refills(make_placement, tiny_mod
     class ParityTask(ShortResponseTask):
         def next_prompt(self):
             prompt = super().next_prompt()
-            prompt["entry"] = {"answer": None, "odd": prompt["index"] % 2 == 1}
+            prompt["entry"] = {"answer": None, "odd": prompt["uid"] % 2 == 1}
             return prompt
 
     task = ParityTask(AutoTokenizer.from_pretrained(tiny_model_path))
@@ -203,24 +203,8 @@ def test_dynamic_sampling_drops_flat_groups_and_refills(make_placement, tiny_mod
     assert ray.get(pool.num_engines.remote()) == 1
 
 
-def test_overlong_penalty_shapes_rewards_before_advantages(ray_cluster, tiny_model_path):
-    from miles_ray.actors.replay_buffer import GroupRef
-    from miles_ray.actors.trainer_group import TrainerWorker
-    from miles_ray.types import Sample
-
-    samples = [
-        Sample([1, 2], list(range(n)), [0.0] * n, reward=1.0, group_id=0) for n in (4, 8, 12)
-    ]  # max 10, buffer 4: penalties 0, -0.5, -1
-    ref = GroupRef(ray.put(samples), 3, 0, 0)
-    config = TrainerGroupConfig(model_path=tiny_model_path, overlong_penalty={"max_len": 10, "buffer_len": 4})
-    batch, _ = TrainerWorker(0, 1, config)._batch([ref])  # no backend needed to build a batch
-    assert batch.rewards.tolist() == [1.0, 0.5, 0.0]
-    assert batch.advantages[0] > batch.advantages[1] > batch.advantages[2]
-
-
 def test_kl_as_reward_penalty_on_two_ranks(make_placement, tiny_model_path):
-    from miles_ray.actors.replay_buffer import GroupRef
-    from miles_ray.types import Sample
+    from miles_ray.types import GroupRef, Sample
 
     pl = make_placement(placement.colocated(2))
     cfg = TrainerGroupConfig(

@@ -17,21 +17,11 @@ from helpers import (
 from transformers import AutoTokenizer
 
 from miles_ray import placement
-from miles_ray.actors import (
-    ReplayBuffer,
-    ReplayBufferConfig,
-    RolloutPool,
-    RolloutPoolConfig,
-    Router,
-    RouterConfig,
-    TrainerGroup,
-    TrainerGroupConfig,
-    WeightBroadcaster,
-    WeightBroadcasterConfig,
-)
-from miles_ray.engines.base import GenerateRequest, SamplingParams
+from miles_ray.actors import ReplayBuffer, ReplayBufferConfig, RolloutPoolConfig
+from miles_ray.engines.requests import GenerateRequest, SamplingParams
 from miles_ray.engines.vllm import VLLMEngineConfig
 from miles_ray.rollout import generate_groups
+from miles_ray.stack import StackConfig, build_stack
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
 
@@ -47,16 +37,20 @@ def stack(ray_cluster):
     model_path = str(tiny_llama_dir(hidden_size=128, num_heads=4, num_kv_heads=2))
     pl = placement.create(placement.colocated(1))
     engine = VLLMEngineConfig(model_path=model_path, python=python, max_model_len=512, kv_cache_gb=1)
-    pool = RolloutPool.remote(RolloutPoolConfig(engine=engine, served_model_name="tiny"), pl)
-    engines = ray.get(pool.engines.remote())
-    trainer = TrainerGroup.remote(TrainerGroupConfig(model_path=model_path, optimizer={"lr": 1e-2}), pl)
-    broadcaster = WeightBroadcaster.remote(
-        WeightBroadcasterConfig(transport="shared_memory"), ray.get(trainer.workers.remote()), engines
+    config = StackConfig(
+        trainer={"model_path": model_path, "optimizer": {"lr": 1e-2}},
+        pool=RolloutPoolConfig(engine=engine, served_model_name="tiny"),
     )
-    stack = {"pool": pool, "engines": engines, "router": Router.remote(RouterConfig(), engines), "trainer": trainer,
-             "broadcaster": broadcaster, "tokenizer": AutoTokenizer.from_pretrained(model_path)}  # fmt: skip
-    yield stack
-    ray.get(engines[0].shutdown.remote())
+    built = build_stack(config, pl)  # colocated: shared-memory transport
+    yield {
+        "pool": built.pool,
+        "engines": list(built.engines),
+        "router": built.router,
+        "trainer": built.trainer,
+        "broadcaster": built.broadcaster,
+        "tokenizer": AutoTokenizer.from_pretrained(model_path),
+    }
+    ray.get(built.engines[0].shutdown.remote())
     ray.util.remove_placement_group(pl.pg)
 
 
@@ -64,12 +58,13 @@ class LowTokenTask:
     """Data source + reward: reward = share of response tokens with id < 2000 (learnable by a random model)."""
 
     def __init__(self, tokenizer):
-        self.tokenizer, self.position = tokenizer, 0
+        self.tokenizer = tokenizer
+        self.position = 0
 
     def next_prompt(self):
         self.position += 1
         ids = self.tokenizer(f"Count to {self.position}:", add_special_tokens=False)["input_ids"]
-        return {"prompt_ids": ids, "entry": {}, "index": self.position, "uid": self.position}
+        return {"prompt_ids": ids, "entry": {}, "uid": self.position}
 
     def reward(self, text, entry):
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"] or [10**6]
@@ -100,8 +95,7 @@ def test_generate_through_the_router_matches_the_trainer(stack):
 
 
 def test_weight_update_after_a_train_step_shows_in_the_next_generation(stack):
-    from miles_ray.actors.replay_buffer import GroupRef
-    from miles_ray.types import Sample
+    from miles_ray.types import GroupRef, Sample
 
     before = _generate(stack, seed=3)
     rewards = [float(i % 2) for i in range(4)]

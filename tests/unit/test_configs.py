@@ -4,16 +4,16 @@ import pytest
 from pydantic import ValidationError
 
 from miles_ray.actors import (
+    AsyncRolloutConfig,
     ReplayBufferConfig,
     RolloutPoolConfig,
-    RolloutWorkerConfig,
     RouterConfig,
     TrainerGroupConfig,
     WeightBroadcasterConfig,
 )
 from miles_ray.backends import OptimizerConfig, PPOClipLossConfig, TorchBackendConfig
-from miles_ray.engines.base import SamplingParams
 from miles_ray.engines.embedded import EmbeddedEngineConfig
+from miles_ray.engines.requests import SamplingParams
 from miles_ray.rewards import ReasoningGymTaskConfig
 
 
@@ -38,8 +38,8 @@ from miles_ray.rewards import ReasoningGymTaskConfig
         (TrainerGroupConfig, {"model_path": "x", "old_logprobs": "stale"}, "old_logprobs"),
         (ReasoningGymTaskConfig, {"size": 0}, "size"),
         (WeightBroadcasterConfig, {"in_flight": "drop"}, "in_flight"),
-        (RolloutWorkerConfig, {"prompts_in_flight": 0}, "prompts_in_flight"),
-        (RolloutWorkerConfig, {"max_buffered_groups": 0}, "max_buffered_groups"),
+        (AsyncRolloutConfig, {"prompts_in_flight": 0}, "prompts_in_flight"),
+        (AsyncRolloutConfig, {"max_buffered_groups": 0}, "max_buffered_groups"),
         (TrainerGroupConfig, {"model_path": "x", "profile": {"steps": [], "out_dir": "t"}}, "profile.steps"),
         (PPOClipLossConfig, {"dual_clip": 1.0}, "dual_clip"),
         (TrainerGroupConfig, {"model_path": "x", "loss": {"kind": "gspo"}, "mismatch_correction": {}}, "ppo_clip"),
@@ -85,7 +85,7 @@ def test_every_field_is_described():
         TrainerGroupConfig,
         RolloutPoolConfig,
         ReasoningGymTaskConfig,
-        RolloutWorkerConfig,
+        AsyncRolloutConfig,
     ]:
         for name, f in cls.model_fields.items():
             if name != "kind":

@@ -30,8 +30,11 @@ EXPECTED = [
     "CriticGroupConfig",
     "ReferenceGroup",
     "ReferenceGroupConfig",
-    "RolloutWorker",
-    "RolloutWorkerConfig",
+    "AsyncRollout",
+    "AsyncRolloutConfig",
+    "Stack",
+    "StackConfig",
+    "build_stack",
     "placement",
 ]
 

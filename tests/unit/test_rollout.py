@@ -3,10 +3,11 @@
 import pytest
 import ray
 
-from miles_ray.actors.replay_buffer import GroupRef
-from miles_ray.engines.base import SamplingParams
-from miles_ray.rollout import PROMPT_FIELDS, RolloutFunctionConfig, check_prompt, generate_groups
-from miles_ray.types import Sample
+from miles_ray.engines.requests import SamplingParams
+from miles_ray.rollout import RolloutFunctionConfig, generate_groups, request_id
+from miles_ray.types import PROMPT_FIELDS, GroupRef, Sample, check_prompt
+
+from .test_types import GOOD, _Source
 
 
 def test_default_rollout_function_is_generate_groups():
@@ -39,39 +40,15 @@ def test_rollout_function_breaking_the_contract_is_a_clear_error(ray_cluster):
         RolloutFunctionConfig(fn=lambda *a: {}).resolve()(None, None, SamplingParams(), 1)
 
 
-class _Source:
-    def __init__(self, prompt):
-        self.prompt = prompt
-
-    def next_prompt(self):
-        return self.prompt
-
-    def reward(self, text, entry):
-        return 0.0
-
-
-GOOD = {"prompt_ids": [1, 2], "entry": {}, "index": 0, "uid": 0, "messages": []}
-
-
-@pytest.mark.parametrize(
-    ("prompt", "match"),
-    [
-        ([1, 2], r"_Source.next_prompt\(\) must return a dict"),
-        ({k: v for k, v in GOOD.items() if k != "uid"}, r"returned no 'uid'"),
-        ({**GOOD, "index": "0"}, r"\['index'\] must be int, got str"),
-        ({**GOOD, "uid": True}, r"\['uid'\] must be int, got bool"),
-        ({**GOOD, "prompt_ids": []}, r"non-empty list of token ids"),
-        ({**GOOD, "prompt_ids": [1, -2]}, r"non-empty list of token ids"),
-    ],
-)
-def test_data_source_contract_names_the_field(prompt, match):
-    with pytest.raises(ValueError, match=match):
-        check_prompt(prompt, _Source(prompt))
-
-
 def test_data_source_is_checked_before_anything_is_sent():
     """generate_groups validates every prompt before it calls the router (None here would fail otherwise)."""
     assert check_prompt(GOOD, _Source(GOOD)) is GOOD and set(PROMPT_FIELDS) <= set(GOOD)
     bad = {**GOOD, "prompt_ids": "hello"}
     with pytest.raises(ValueError, match=r"\['prompt_ids'\] must be list, got str"):
         generate_groups(None, _Source(bad), SamplingParams(), 1)
+
+
+def test_uid_is_the_one_prompt_identity():
+    """A prompt needs no dataset index; its request id is built from its uid (unique in a run, unlike an index)."""
+    assert set(PROMPT_FIELDS) == {"prompt_ids", "entry", "uid"}
+    assert request_id({**GOOD, "uid": 7, "index": 0}) == "p7"

@@ -1,7 +1,9 @@
+"""The data types and the data-source contract: batch alignment, shards, prompt checks."""
+
 import pytest
 import torch
 
-from miles_ray.types import RolloutBatch, Sample
+from miles_ray.types import RolloutBatch, Sample, check_prompt
 
 
 def test_rollout_batch_alignment():
@@ -28,3 +30,41 @@ def test_uneven_shard_is_rejected():
     s = Sample(prompt_ids=[1], response_ids=[2], rollout_logprobs=[-1.0])
     with pytest.raises(ValueError, match="does not split over 2 ranks"):
         RolloutBatch.from_samples([s, s, s], pad_id=0).shard(0, 2)
+
+
+class _Source:
+    def __init__(self, prompt):
+        self.prompt = prompt
+
+    def next_prompt(self):
+        return self.prompt
+
+    def reward(self, text, entry):
+        return 0.0
+
+
+GOOD = {"prompt_ids": [1, 2], "entry": {}, "uid": 0, "messages": []}
+
+
+@pytest.mark.parametrize(
+    ("prompt", "match"),
+    [
+        ([1, 2], r"_Source.next_prompt\(\) must return a dict"),
+        ({k: v for k, v in GOOD.items() if k != "uid"}, r"returned no 'uid'"),
+        ({**GOOD, "entry": []}, r"\['entry'\] must be dict, got list"),
+        ({**GOOD, "uid": True}, r"\['uid'\] must be int, got bool"),
+        ({**GOOD, "prompt_ids": []}, r"non-empty list of token ids"),
+        ({**GOOD, "prompt_ids": [1, -2]}, r"non-empty list of token ids"),
+    ],
+)
+def test_data_source_contract_names_the_field(prompt, match):
+    with pytest.raises(ValueError, match=match):
+        check_prompt(prompt, _Source(prompt))
+
+
+def test_first_trained_position_is_where_backends_start_forming_logits():
+    s = Sample(prompt_ids=[1, 2, 3, 4], response_ids=[5], rollout_logprobs=[-1.0])
+    t = Sample(prompt_ids=[1, 2], response_ids=[3, 4], rollout_logprobs=[-1.0, -1.0], loss_mask=[0, 1])
+    assert RolloutBatch.from_samples([s, t], pad_id=0).first_trained_position() == 2  # t's second response token
+    untrained = Sample(prompt_ids=[1, 2], response_ids=[3], rollout_logprobs=[-1.0], loss_mask=[0])
+    assert RolloutBatch.from_samples([untrained], pad_id=0).first_trained_position() == 1  # none: the last position

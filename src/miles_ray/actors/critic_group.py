@@ -16,8 +16,10 @@ import ray
 import torch
 from pydantic import Field, field_validator
 
-from miles_ray.actors.ranks import RankWorker, from_masked_lists, start_ranks
-from miles_ray.backends.base import OptimizerConfig, TorchBackendConfig, policy_only
+from miles_ray.actors.workers import Worker, from_masked_lists, start_workers
+from miles_ray.backends import rl_step
+from miles_ray.backends.optimizer import OptimizerConfig
+from miles_ray.backends.torch_parallel import TorchBackendConfig, policy_only
 from miles_ray.config import StrictConfig
 from miles_ray.placement.groups import Placement
 
@@ -57,7 +59,7 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.
     return float(1.0 - (r - v).var(unbiased=False) / var) if r.numel() > 1 and var > 0 else float("nan")
 
 
-class CriticWorker(RankWorker):
+class CriticWorker(Worker):
     """One critic rank (apply ``ray.remote`` via ``CriticGroup``)."""
 
     def setup(self) -> None:
@@ -65,20 +67,22 @@ class CriticWorker(RankWorker):
         from miles_ray.backends.critic import TorchCriticBackend
 
         c = self.config
-        self.backend = TorchCriticBackend(c.backend, c.optimizer, c.model_path, c.value_clip, c.head_lr)
+        self.backend = TorchCriticBackend(c.backend, c.optimizer, c.model_path, c.head_lr)
 
     def compute_values(self, group_refs: list) -> list[list[float]] | None:
         """Collective: every sample's values on its trained tokens (rank 0 returns them)."""
         batch, _ = self.batch(group_refs)
-        return self.gather_masked(batch, self.backend.compute_values(batch.shard(self.rank, self.world_size)))
+        return self.gather_masked(batch, rl_step.critic_values(self.backend, batch.shard(*self.data_shard)))
 
     def train_step(self, group_refs: list, values: list[list[float]], returns: list[list[float]]) -> dict:
         """One optimizer step towards ``returns`` (clipped around ``values``) on this rank's shard."""
         batch, _ = self.batch(group_refs)
         mask = batch.response_mask
-        old, target = from_masked_lists(values, mask, "values"), from_masked_lists(returns, mask, "returns")
-        sl = batch.shard_slice(batch.num_samples, self.rank, self.world_size)
-        metrics = self.backend.train_step(batch.shard(self.rank, self.world_size), old[sl], target[sl])
+        old = from_masked_lists(values, mask, "values")
+        target = from_masked_lists(returns, mask, "returns")
+        rows = batch.shard_slice(batch.num_samples, *self.data_shard)
+        shard = batch.select(rows)
+        metrics = rl_step.value_update(self.backend, shard, old[rows], target[rows], self.config.value_clip)
         metrics["explained_variance"] = explained_variance(old, target, mask)
         return metrics
 
@@ -97,7 +101,7 @@ class CriticGroup:
 
     def __init__(self, config: CriticGroupConfig, placement: Placement):
         self.config = config
-        self._workers = start_ranks(placement, CriticWorker, "critic", "CriticGroupConfig.num_ranks", config)
+        self._workers = start_workers(placement, CriticWorker, "critic", "CriticGroupConfig.num_ranks", config)
 
     def compute_values(self, group_refs: list) -> list[list[float]]:
         """Every sample's values on its trained tokens, in the groups' order."""

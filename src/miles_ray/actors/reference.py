@@ -17,8 +17,9 @@ from __future__ import annotations
 import ray
 from pydantic import Field, field_validator
 
-from miles_ray.actors.ranks import RankWorker, start_ranks
-from miles_ray.backends.base import TorchBackendConfig, policy_only
+from miles_ray.actors.workers import Worker, start_workers
+from miles_ray.backends import rl_step
+from miles_ray.backends.torch_parallel import TorchBackendConfig, policy_only
 from miles_ray.config import StrictConfig
 from miles_ray.placement.groups import Placement
 
@@ -39,20 +40,20 @@ class ReferenceGroupConfig(StrictConfig):
         return policy_only(value, "ReferenceGroupConfig")
 
 
-class ReferenceWorker(RankWorker):
+class ReferenceWorker(Worker):
     """One reference rank (apply ``ray.remote`` via ``ReferenceGroup``)."""
 
     def setup(self) -> None:
         """Load the frozen model (no optimizer, no gradients)."""
-        from miles_ray.backends.torch_backend import PolicyRank
+        from miles_ray.backends.torch_backend import PolicyModel
 
-        self.backend = PolicyRank(self.config.backend, None, self.config.model_path)
+        self.backend = PolicyModel(self.config.backend, None, self.config.model_path)
 
     def compute_logprobs(self, group_refs: list, temperature: float) -> list[list[float]] | None:
         """Collective: every sample's trained-token logprobs under the reference (rank 0 returns them)."""
         batch, _ = self.batch(group_refs)
-        shard = batch.shard(self.rank, self.world_size)
-        return self.gather_masked(batch, self.backend.compute_logprobs(shard, temperature))
+        shard = batch.shard(*self.data_shard)
+        return self.gather_masked(batch, rl_step.logprobs(self.backend, shard, temperature))
 
 
 @ray.remote(num_cpus=0)
@@ -61,7 +62,7 @@ class ReferenceGroup:
 
     def __init__(self, config: ReferenceGroupConfig, placement: Placement):
         self.config = config
-        self._workers = start_ranks(placement, ReferenceWorker, "reference", "ReferenceGroupConfig.num_ranks", config)
+        self._workers = start_workers(placement, ReferenceWorker, "reference", "ReferenceGroupConfig.num_ranks", config)
 
     def compute_logprobs(self, group_refs: list, temperature: float = 1.0) -> list[list[float]]:
         """Every sample's trained-token logprobs at ``temperature``, in the groups' order."""

@@ -1,7 +1,7 @@
 """ReplayBuffer: holds sample groups by reference (payloads stay in the Ray object store) and hands out batches.
 
-Each entry is a ``GroupRef``: an ``ObjectRef`` to a ``list[Sample]`` (the n responses to one prompt,
-kept together for GRPO) plus the metadata the buffer needs to decide without fetching the payload.
+Each entry is a ``GroupRef`` (``miles_ray.types``): an ``ObjectRef`` to a ``list[Sample]`` (the n responses to one
+prompt, kept together for GRPO) plus the metadata the buffer needs to decide without fetching the payload.
 Consumption is FIFO; groups older than ``max_staleness`` weight versions are dropped (and counted) when
 a batch is taken.
 
@@ -17,12 +17,17 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
-from dataclasses import dataclass
 
 import ray
 from pydantic import Field
 
 from miles_ray.config import StrictConfig
+from miles_ray.deprecation import moved
+from miles_ray.types import GroupRef as _GroupRef
+
+# GroupRef lived here before it moved to miles_ray.types (rollout functions build them without the buffer); the
+# old name still resolves, with a DeprecationWarning, so it is imported above under another one
+__getattr__ = moved(__name__, {"GroupRef": "miles_ray.types:GroupRef"})
 
 
 class ReplayBufferConfig(StrictConfig):
@@ -34,23 +39,13 @@ class ReplayBufferConfig(StrictConfig):
     )
 
 
-@dataclass(frozen=True)
-class GroupRef:
-    """A reference to one stored group and what the buffer knows of it without fetching it."""
-
-    ref: ray.ObjectRef
-    num_samples: int
-    weight_version: int
-    group_id: int
-
-
 @ray.remote(num_cpus=0)
 class ReplayBuffer:
     """FIFO store of sample groups by reference (an async actor: ``get_batch`` may wait while producers add)."""
 
     def __init__(self, config: ReplayBufferConfig):
         self.config = config
-        self._groups: collections.deque[GroupRef] = collections.deque()
+        self._groups: collections.deque[_GroupRef] = collections.deque()
         self._num_dropped_stale = 0
         self._num_added = 0
         self._num_taken = 0
@@ -59,7 +54,7 @@ class ReplayBuffer:
         self._changed = asyncio.Condition()
         self._dropped_reported = 0
 
-    async def add(self, groups: list[GroupRef]) -> int:
+    async def add(self, groups: list[_GroupRef]) -> int:
         """Append groups; returns the number of groups held.
 
         Raises:
@@ -88,13 +83,13 @@ class ReplayBuffer:
 
     async def get_batch(
         self, num_groups: int, current_version: int | None = None, timeout_s: float | None = None
-    ) -> list[GroupRef] | None:
+    ) -> list[_GroupRef] | None:
         """Pop the oldest ``num_groups`` fresh groups, or None (nothing popped) if fewer are held.
 
         Args:
             num_groups: groups to return.
             current_version: the trainer's weight version, for the staleness bound and staleness stats.
-            timeout_s: wait up to this long for enough fresh groups (fully async training: rollout workers
+            timeout_s: wait up to this long for enough fresh groups (fully async training: an AsyncRollout
                 keep adding); None returns at once.
 
         """
@@ -164,8 +159,10 @@ class ReplayBuffer:
 
     async def load_state(self, state: dict) -> int:
         """Replace the contents with a ``state()`` result; returns the number of groups held."""
-        self._groups = collections.deque(GroupRef(ray.put(p), *m) for m, p in state["groups"])
+        self._groups = collections.deque(_GroupRef(ray.put(p), *m) for m, p in state["groups"])
         c = state["counters"]
-        self._num_added, self._num_taken, self._num_dropped_stale = c["added"], c["taken"], c["dropped_stale"]
+        self._num_added = c["added"]
+        self._num_taken = c["taken"]
+        self._num_dropped_stale = c["dropped_stale"]
         self._staleness_hist = collections.Counter({int(k): v for k, v in state["staleness_hist"].items()})
         return len(self._groups)

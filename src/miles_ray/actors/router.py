@@ -23,7 +23,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 
 from miles_ray import metrics as mx
 from miles_ray.config import StrictConfig
-from miles_ray.engines.base import GenerateOutput, GenerateRequest
+from miles_ray.engines.requests import GenerateOutput, GenerateRequest
 
 
 class RouterConfig(StrictConfig):

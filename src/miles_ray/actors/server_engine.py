@@ -2,27 +2,32 @@
 
 The actor owns one ``ServerProcess`` (``self.server``), waits for its health on first use, tracks outstanding
 requests for the Router, and records the weight version and checksum of the last load. Subclasses add the
-engine's own pause/abort/cache routes and weight loading (``receive_broadcast`` / ``load_buckets``).
+engine's own pause/abort/cache routes and weight loading. Both support ``in_flight="continue"`` only: a weight load
+pauses the server in place and running requests go on with the new weights.
 """
 
 from __future__ import annotations
 
 import asyncio
 
-from miles_ray.actors.rollout_pool import WeightReceiver
-from miles_ray.engines.base import GenerateOutput, GenerateRequest
+from miles_ray.actors.engine_actor import EngineActorBase
+from miles_ray.engines.requests import GenerateOutput, GenerateRequest
 from miles_ray.engines.server_process import ServerProcess
 
 
-class ServerEngineActor(WeightReceiver):
+class ServerEngineActor(EngineActorBase):
     """Base of engine actors whose engine is a server process (apply ``ray.remote`` via ``RolloutPool``)."""
 
     kind = "server"
+    in_flight_modes = ("continue",)  # the servers' abort/retract pauses are not mapped onto finish/abort_resume
 
     def __init__(self, engine_id: int, config, server: ServerProcess):
-        self.engine_id, self.config, self.server = engine_id, config, server
+        self.engine_id = engine_id
+        self.config = config
+        self.server = server
         self.url = server.url
-        self._version, self._checksum = 0, None
+        self._version = 0
+        self._checksum = None
         self._outstanding = 0
         self._inflight: dict[str, asyncio.Task] = {}
         self._ready = None
@@ -60,8 +65,13 @@ class ServerEngineActor(WeightReceiver):
         """Liveness (waits for the server on the first call) plus load and the loaded weight version."""
         await self._started()
         self.server.check_alive()
-        return {"engine_id": self.engine_id, "outstanding": self._outstanding, "version": self._version,
-                "url": self.url, "kind": self.kind}  # fmt: skip
+        return {
+            "engine_id": self.engine_id,
+            "outstanding": self._outstanding,
+            "version": self._version,
+            "url": self.url,
+            "kind": self.kind,
+        }
 
     async def shutdown(self) -> None:
         """Stop the server process."""

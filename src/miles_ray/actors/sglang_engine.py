@@ -1,8 +1,7 @@
 """SGLangEngineActor: one SGLang server behind the engine-actor interface the Router and WeightBroadcaster use.
 
-Same methods as ``EngineActor`` (``generate``, ``flush_cache``, ``abort``, ``pause``, ``resume``, ``health``,
-``weight_version``, ``weights_checksum``, ``join_sync_group``, ``receive_broadcast``, ``load_buckets``), so a pool
-of SGLang engines drops into a run unchanged: ``RolloutPoolConfig(engine=SGLangEngineConfig(...))``.
+It implements ``actors.engine_actor.EngineInterface`` and ``EngineControl`` like the embedded engine's actor, so a
+pool of SGLang engines drops into a run unchanged: ``RolloutPoolConfig(engine=SGLangEngineConfig(...))``.
 
 Weights, disaggregated: the server's TP ranks join the trainer's broadcast group themselves
 (``/init_weights_update_group``) and receive each bucket's bytes straight from trainer rank 0
@@ -29,11 +28,12 @@ import torch
 import torch.multiprocessing
 
 from miles_ray.actors.server_engine import ServerEngineActor
+from miles_ray.engines.requests import DEFAULT_MODEL_NAME, PauseMode
 from miles_ray.engines.sglang import SGLangEngineConfig, SGLangError, SGLangServer
+from miles_ray.sync.broadcast import group_name
+from miles_ray.sync.buckets import AdapterSpec, SyncPlan, unpack
 from miles_ray.sync.checksum import named_tensors_checksum, probe_checksum
 from miles_ray.sync.digest import tensor_sha256
-from miles_ray.sync.gloo import group_name
-from miles_ray.sync.plan import AdapterSpec, SyncPlan, unpack
 from miles_ray.sync.shm import as_tensor
 
 
@@ -42,13 +42,14 @@ class SGLangEngineActor(ServerEngineActor):
 
     kind = "sglang"
 
-    def __init__(self, engine_id: int, config: SGLangEngineConfig, served_model_name: str = "policy"):
+    def __init__(self, engine_id: int, config: SGLangEngineConfig, served_model_name: str = DEFAULT_MODEL_NAME):
         super().__init__(engine_id, config, SGLangServer(config, served_model_name))
         # tensors go to the server by name in /dev/shm: the default strategy (fd passing) authenticates with a
         # key only related processes share
         torch.multiprocessing.set_sharing_strategy("file_system")
         # with config.lora it takes adapter-only syncs, and only those
-        self.accepts_adapters, self.accepts_full_weights = config.lora is not None, config.lora is None
+        self.accepts_adapters = config.lora is not None
+        self.accepts_full_weights = config.lora is None
         self._group_name: str | None = None  # of the broadcast group the server's ranks are in
         self._adapter: str | None = None  # the LoRA adapter new requests use (None: the base weights)
         self._unloading: asyncio.Task | None = None  # the previous adapter's unload, once its requests finish
@@ -62,10 +63,7 @@ class SGLangEngineActor(ServerEngineActor):
         body = {"abort_all": True} if request_id is None else {"rid": request_id}
         await self.server.post("/abort_request", body)
 
-    async def pause(self, mode: str = "abort") -> None:
-        """Pause generation: ``abort`` in-flight requests or keep them ``in_place``."""
-        if mode not in ("abort", "in_place"):
-            raise ValueError(f"pause mode must be 'abort' or 'in_place', got {mode!r}")
+    async def _pause(self, mode: PauseMode) -> None:
         await self._started()
         await self.server.post("/pause_generation", {"mode": mode})
 
@@ -110,23 +108,29 @@ class SGLangEngineActor(ServerEngineActor):
         """The server's TP ranks each join the broadcast group (adapter syncs: this actor does, as one rank)."""
         return self.config.tp_size if self.config.lora is None else 1
 
-    async def join_sync_group(self, host: str, port: int, rank: int, world_size: int, backend: str) -> None:
+    async def join_sync_group(self, host: str, port: int, rank: int, world_size: int, collective: str) -> None:
         """Have the server's TP ranks join the broadcast group as ranks ``rank .. rank + tp_size - 1``.
 
         With ``config.lora`` this actor joins instead: it relays each adapter (a few MB) to the server.
         """
         if self.config.lora is not None:
-            return await super().join_sync_group(host, port, rank, world_size, backend)
+            return await super().join_sync_group(host, port, rank, world_size, collective)
         await self._started()
-        body = {"master_address": host, "master_port": port, "rank_offset": rank, "world_size": world_size,
-                "group_name": group_name(port), "backend": backend}  # fmt: skip
+        body = {
+            "master_address": host,
+            "master_port": port,
+            "rank_offset": rank,
+            "world_size": world_size,
+            "group_name": group_name(port),
+            "backend": collective,
+        }
         if self._group_name is not None:  # a re-formed group (respawned engine or trainer): leave the old one first
             await self.server.call("/destroy_weights_update_group", {"group_name": self._group_name})
             self._group_name = None
         await self.server.call("/init_weights_update_group", body)
         self._group_name = group_name(port)
 
-    async def receive_broadcast(self, plan: SyncPlan, version: int, verify: bool = True, in_flight: str = "continue"):
+    async def _receive_broadcast(self, plan: SyncPlan, version: int, verify: bool, in_flight: str) -> dict:
         """The server receives every bucket of ``plan`` from group rank 0 and loads it; then ``version`` is set.
 
         Returns:
@@ -134,7 +138,7 @@ class SGLangEngineActor(ServerEngineActor):
 
         """
         if self.config.lora is not None:  # this actor is in the group: it receives the adapter
-            return await self._load_adapter(plan, None, version, verify, in_flight)
+            return await self._load_adapter(plan, None, version, verify)
         if self._group_name is None:
             raise RuntimeError("receive_broadcast before join_sync_group")
 
@@ -145,36 +149,37 @@ class SGLangEngineActor(ServerEngineActor):
                     "names": [m.name for m in bucket.tensors],
                     "dtypes": [str(bucket.dtype).removeprefix("torch.")] * len(bucket.tensors),
                     "shapes": [list(m.shape) for m in bucket.tensors],
-                    "group_name": self._group_name, "load_format": "flattened_bucket", "flush_cache": last,
-                }  # fmt: skip
+                    "group_name": self._group_name,
+                    "load_format": "flattened_bucket",
+                    "flush_cache": last,
+                }
                 await self.server.call("/update_weights_from_distributed", body)
 
-        return await self._update(load, plan, version, verify, in_flight)
+        return await self._update(load, plan, version, verify)
 
-    async def load_buckets(self, plan: SyncPlan, bucket_refs: list, version: int, verify: bool = True,
-                           in_flight: str = "continue") -> dict:  # fmt: skip
+    async def _load_arrays(self, plan: SyncPlan, arrays: list, version: int, verify: bool, in_flight: str) -> dict:
         """Load buckets from the object store through ``/update_weights_from_tensor`` (colocated sync).
 
         Returns:
             As ``receive_broadcast``.
 
         """
-        arrays = await asyncio.gather(*bucket_refs)
         if self.config.lora is not None:
-            return await self._load_adapter(plan, arrays, version, verify, in_flight)
+            return await self._load_adapter(plan, arrays, version, verify)
 
         async def load() -> None:
             for i, (bucket, array) in enumerate(zip(plan.buckets, arrays)):
                 # handles into one shared-memory copy of the bucket: pickling its views shares that storage
                 blob = _serialized(unpack(bucket, _shared_copy(as_tensor(array, bucket.dtype))))
-                body = {"serialized_named_tensors": [blob] * self.config.tp_size,
-                        "flush_cache": i == len(plan.buckets) - 1}  # fmt: skip
+                body = {
+                    "serialized_named_tensors": [blob] * self.config.tp_size,
+                    "flush_cache": i == len(plan.buckets) - 1,
+                }
                 await self.server.call("/update_weights_from_tensor", body)
 
-        return await self._update(load, plan, version, verify, in_flight)
+        return await self._update(load, plan, version, verify)
 
-    async def _update(self, load, plan: SyncPlan, version: int, verify: bool, in_flight: str) -> dict:
-        _check_in_flight(in_flight)
+    async def _update(self, load, plan: SyncPlan, version: int, verify: bool) -> dict:
         if plan.adapter is not None:
             raise ValueError(
                 "this SGLang engine takes full weights only, but the trainer has backend.lora set (adapter-only "
@@ -201,13 +206,11 @@ class SGLangEngineActor(ServerEngineActor):
 
     # --- adapter syncs (config.lora): this actor takes the adapter's buckets, the server loads them ---------------
 
-    async def _load_adapter(self, plan: SyncPlan, arrays: list | None, version: int, verify: bool,
-                            in_flight: str) -> dict:  # fmt: skip
+    async def _load_adapter(self, plan: SyncPlan, arrays: list | None, version: int, verify: bool) -> dict:
         """Load an adapter-only sync as a new SGLang adapter that new requests use.
 
         ``arrays`` are the buckets from the object store (colocated); None: they come over the broadcast group.
         """
-        _check_in_flight(in_flight)
         if plan.adapter is None:
             raise ValueError(
                 "this SGLang engine has SGLangEngineConfig.lora set (adapter-only syncs), but the trainer sends full "
@@ -234,12 +237,17 @@ class SGLangEngineActor(ServerEngineActor):
         name = f"{self.server.model_name}-v{version}"
         if self._unloading is not None:  # at most one adapter besides the current one
             await self._unloading
-        body = {"lora_name": name, "config_dict": _peft_config(plan.adapter),
-                "serialized_named_tensors": [_serialized(dict(named))] * self.config.tp_size,
-                "expected_checksums": {n: tensor_sha256(t) for n, t in named}}  # fmt: skip
+        body = {
+            "lora_name": name,
+            "config_dict": _peft_config(plan.adapter),
+            "serialized_named_tensors": [_serialized(dict(named))] * self.config.tp_size,
+            "expected_checksums": {n: tensor_sha256(t) for n, t in named},
+        }
         await self.server.call("/load_lora_adapter_from_tensors", body)  # every TP rank checks every sha256
         self._checksum = named_tensors_checksum(named) if verify else None
-        old, self._adapter, self._version = self._adapter, name, version  # new requests use the new adapter
+        old = self._adapter
+        self._adapter = name  # new requests use the new adapter
+        self._version = version
         if old is not None:  # SGLang unloads it once the requests that started on it are done
             self._unloading = asyncio.ensure_future(self.server.call("/unload_lora_adapter", {"lora_name": old}))
         return {"engine_id": self.engine_id, "seconds": time.perf_counter() - start, "checksum": self._checksum}
@@ -253,11 +261,6 @@ class SGLangEngineActor(ServerEngineActor):
                 return False
             raise
         return True
-
-
-def _check_in_flight(in_flight: str) -> None:
-    if in_flight != "continue":  # SGLang's abort/retract pauses are not mapped onto finish/abort_resume yet
-        raise ValueError(f"SGLang engines support in_flight='continue' only, got {in_flight!r}")
 
 
 def _shared_empty(nbytes: int) -> torch.Tensor:
@@ -279,8 +282,15 @@ def _serialized(obj) -> str:
 
 def _peft_config(spec: AdapterSpec) -> dict:
     """The adapter's peft ``adapter_config.json`` as SGLang reads it (its scaling is ``lora_alpha / r``)."""
-    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": spec.rank, "lora_alpha": spec.scaling * spec.rank,
-            "target_modules": list(spec.target_modules), "bias": "none", "lora_dropout": 0.0}  # fmt: skip
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": spec.rank,
+        "lora_alpha": spec.scaling * spec.rank,
+        "target_modules": list(spec.target_modules),
+        "bias": "none",
+        "lora_dropout": 0.0,
+    }
 
 
 __all__ = ["SGLangEngineActor"]

@@ -2,7 +2,8 @@
 
 ``TrainerGroup`` is the actor a driver talks to; it creates one ``TrainerWorker`` per trainer slot of the
 placement plan and fans calls out to all of them (every call is collective). Each worker fetches the
-sample groups it is given from the object store, computes advantages, trains on its shard.
+sample groups it is given from the object store and runs the RL step (``backends.rl_step.RLStep``: shaping,
+advantages, the loss) through its backend (torch or Megatron) on its shard.
 The group owns the weight version: it goes up by one with every optimizer step.
 
 Usage::
@@ -18,33 +19,23 @@ import logging
 import math
 import os
 import time
-from typing import Annotated, Literal
+from typing import Literal
 
 import ray
 import torch
-from pydantic import Discriminator, Field, Tag, model_validator
+from pydantic import Field, model_validator
 
-from miles_ray.actors.ranks import RankWorker, from_masked_lists, masked_lists, start_ranks
-from miles_ray.algo.shaping import overlong_penalty
-from miles_ray.backends.base import OptimizerConfig, TorchBackendConfig
+from miles_ray.actors.workers import Worker, from_masked_lists, masked_lists, start_workers
+from miles_ray.backends import rl_step
 from miles_ray.backends.megatron_backend import MegatronBackendConfig
-from miles_ray.backends.objectives import (
-    AdvantageConfig,
-    GRPOAdvantageConfig,
-    KLConfig,
-    LossConfig,
-    MismatchCorrectionConfig,
-    OverlongPenaltyConfig,
-    PPOClipLossConfig,
-    compute_advantages,
-    gae_targets,
-)
-from miles_ray.config import StrictConfig
+from miles_ray.backends.objectives import ObjectiveConfig
+from miles_ray.backends.optimizer import OptimizerConfig
+from miles_ray.backends.torch_parallel import TorchBackendConfig
+from miles_ray.config import StrictConfig, kind_union
 from miles_ray.hooks import HookContext, Hooks, TrainerHooksConfig
 from miles_ray.placement.groups import Placement
+from miles_ray.sync.buckets import SyncPlan
 from miles_ray.sync.checksum import sent_checksums
-from miles_ray.sync.plan import SyncPlan
-from miles_ray.types import RolloutBatch, Sample
 
 logger = logging.getLogger(__name__)
 
@@ -59,19 +50,11 @@ class ProfilerConfig(StrictConfig):
     profile_memory: bool = Field(False, description="Record tensor memory allocation.")
 
 
-def _backend_kind(value) -> str:
-    """``kind`` of a backend config or dict; ``torch`` when not given (the default backend)."""
-    return value.get("kind", "torch") if isinstance(value, dict) else getattr(value, "kind", "torch")
+BackendConfig = kind_union(TorchBackendConfig, MegatronBackendConfig, default="torch")
 
 
-BackendConfig = Annotated[
-    Annotated[TorchBackendConfig, Tag("torch")] | Annotated[MegatronBackendConfig, Tag("megatron")],
-    Discriminator(_backend_kind),
-]
-
-
-class TrainerGroupConfig(StrictConfig):
-    """The trainer: model, parallelism, optimizer, loss and advantages."""
+class TrainerGroupConfig(ObjectiveConfig):
+    """The trainer: model, ranks, backend and optimizer, plus the RL objective (``ObjectiveConfig``'s fields)."""
 
     model_path: str = Field(..., description="HF model directory the policy starts from.")
     num_ranks: int = Field(
@@ -81,29 +64,6 @@ class TrainerGroupConfig(StrictConfig):
         default_factory=TorchBackendConfig, description="Training backend: torch (default) or megatron (kind)."
     )
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, description="Optimizer settings.")
-    loss: LossConfig = Field(default_factory=PPOClipLossConfig, description="Policy loss (ppo_clip | gspo).")
-    advantage: AdvantageConfig = Field(
-        default_factory=GRPOAdvantageConfig,
-        description="Advantage estimator (grpo | rloo | reinforce_pp | gae; gae needs TrainerGroup(critic=...)).",
-    )
-    mismatch_correction: MismatchCorrectionConfig | None = Field(
-        None, description="TIS/MIS weights from the engine's logprobs (ppo_clip loss only); None disables."
-    )
-    entropy_coef: float = Field(0.0, ge=0.0, le=1.0, description="Entropy bonus coefficient (0: logged only).")
-    kl: KLConfig | None = Field(
-        None, description="KL to a frozen reference model (the initial weights), as loss or reward; None disables."
-    )
-    overlong_penalty: OverlongPenaltyConfig | None = Field(
-        None, description="DAPO soft overlong penalty added to rewards before advantages; None disables."
-    )
-    temperature: float = Field(
-        1.0, gt=0.0, le=10.0, description="Rollout sampling temperature; the trainer's logits are divided by it."
-    )
-    old_logprobs: Literal["current", "rollout"] = Field(
-        "current",
-        description="Behaviour logprobs in the PPO ratio: the current policy's (exact for one step per batch) or "
-        "the engine's rollout logprobs.",
-    )
     hooks: TrainerHooksConfig = Field(
         default_factory=TrainerHooksConfig, description="User callables run on every rank at fixed points."
     )
@@ -111,64 +71,38 @@ class TrainerGroupConfig(StrictConfig):
     profile: ProfilerConfig | None = Field(None, description="Capture torch profiler traces of some train steps.")
 
     @model_validator(mode="after")
-    def _check_correction(self) -> TrainerGroupConfig:
-        if self.mismatch_correction is not None and self.loss.kind != "ppo_clip":
+    def _check_parallel(self) -> TrainerGroupConfig:
+        tp = self.backend.parallel.tensor_model_parallel_size if self.backend.kind == "megatron" else 1
+        if self.num_ranks % tp:
             raise ValueError(
-                f"mismatch_correction needs loss.kind='ppo_clip' (per-token weights), got loss.kind={self.loss.kind!r}"
-            )
-        if self.backend.kind == "megatron" and self.num_ranks % self.backend.parallel.tensor_model_parallel_size:
-            raise ValueError(
-                f"num_ranks={self.num_ranks} must be a multiple of "
-                f"backend.parallel.tensor_model_parallel_size={self.backend.parallel.tensor_model_parallel_size}"
+                f"num_ranks={self.num_ranks} must be a multiple of backend.parallel.tensor_model_parallel_size={tp}"
             )
         return self
 
 
-class TrainerWorker(RankWorker):
-    """One trainer rank (apply ``ray.remote`` via ``TrainerGroup``)."""
+class TrainerWorker(Worker):
+    """One trainer rank (apply ``ray.remote`` via ``TrainerGroup``): a backend and the RL step that drives it."""
 
     def __init__(self, rank: int, world_size: int, config: TrainerGroupConfig, external_reference: bool = False):
         super().__init__(rank, world_size, config)
         self.external_reference = external_reference
-        self.backend = None
+        self.step = None
         self._sync_group = None
         self._steps = 0  # train_step calls on this rank, for ProfilerConfig.steps
 
     def setup(self) -> None:
-        """Build the backend (model, optimizer, on-rank reference unless a ReferenceGroup serves it) and hooks."""
+        """Build the backend (model, optimizer, on-rank reference unless a ReferenceGroup serves it), step and hooks."""
         c = self.config
         if c.backend.kind == "megatron":
             from miles_ray.backends.megatron_backend import MegatronBackend as Backend
         else:
             from miles_ray.backends.torch_backend import TorchBackend as Backend
-        self.backend = Backend(
-            c.backend,
-            c.optimizer,
-            c.loss,
-            c.model_path,
-            correction=c.mismatch_correction,
-            entropy_coef=c.entropy_coef,
-            kl=c.kl,
-            local_reference=not self.external_reference,
-        )
-        self.set_data_ranks(self.backend.dp_rank, self.backend.dp_size)
+        reference = c.kl is not None and not self.external_reference
+        self.backend = Backend(c.backend, c.optimizer, c.model_path, reference=reference)
+        self.step = rl_step.RLStep(self.backend, c)
         self.hooks = Hooks(c.hooks)
         self.ctx = HookContext(self.rank, self.world_size, self.backend.model, self.backend.optimizer, c)
         self.hooks.call("after_init", self.ctx)
-
-    def _batch(self, group_refs: list) -> tuple[RolloutBatch, list[Sample]]:
-        batch, samples = self.batch(group_refs)
-        if self.config.overlong_penalty is not None:
-            c = self.config.overlong_penalty
-            lengths = torch.tensor([len(s.response_ids) for s in samples])
-            batch.rewards = batch.rewards + overlong_penalty(lengths, c.max_len, c.buffer_len, c.penalty_factor)
-        if self.config.advantage.kind != "gae":  # GAE waits for the critic's values (train_step)
-            self._advantages(batch, samples)
-        return batch, samples
-
-    def _advantages(self, batch: RolloutBatch, samples: list[Sample]) -> None:
-        group_ids = torch.tensor([s.group_id for s in samples])
-        batch.advantages = compute_advantages(self.config.advantage, batch.rewards, group_ids, batch.response_mask)
 
     def train_step(
         self, group_refs: list, values: list[list[float]] | None = None, ref_logprobs: list[list[float]] | None = None
@@ -199,55 +133,44 @@ class TrainerWorker(RankWorker):
         return out
 
     def _train_step(self, group_refs: list, values, ref_logprobs):
-        batch, samples = self._batch(group_refs)
-        mask, c = batch.response_mask, self.config
+        batch, samples = self.batch(group_refs)
+        mask = batch.response_mask
+        values = None if values is None else from_masked_lists(values, mask, "values")
         ref = None if ref_logprobs is None else from_masked_lists(ref_logprobs, mask, "ref_logprobs")
-        shard_of = RolloutBatch.shard_slice(batch.num_samples, *self.data_shard)
-        penalty = None  # [B, T-1] per-token KL penalty, before advantages, on the full batch
-        if c.kl is not None and c.kl.mode == "reward":
-            shard = batch.shard(*self.data_shard)
-            penalty = c.kl.coef * self.all_ranks(
-                self.backend.token_kl(shard, c.temperature, None if ref is None else ref[shard_of])
-            )
-        returns = None
-        if c.advantage.kind == "gae":
-            old_values = from_masked_lists(values, mask, "values")
-            batch.advantages, returns = gae_targets(c.advantage, batch.rewards, old_values, mask, penalty)
-        elif penalty is not None:
-            batch.rewards = batch.rewards - penalty.sum(-1)
-            self._advantages(batch, samples)
-        shard = batch.shard(*self.data_shard)
+        returns, batch_metrics = self.step.prepare(batch, samples, values, ref)
+        rows = batch.shard_slice(batch.num_samples, *self.data_shard)
+        shard = batch.select(rows)
         self.hooks.call("before_train_step", self.ctx, shard)
-        old = shard.rollout_logprobs if c.old_logprobs == "rollout" else None
-        shard_ref = None if ref is None or c.kl.mode != "loss" else ref[shard_of]
-        metrics = self.backend.train_step(shard, c.temperature, old_logprobs=old, ref_logprobs=shard_ref)
-        adv = batch.advantages.abs()  # [B], or [B, T-1] token advantages: mean over trained tokens
-        metrics["advantage_abs_mean"] = float(adv.mean() if adv.ndim == 1 else (adv * mask).sum() / mask.sum())
-        metrics["shaped_reward_mean"] = float(batch.rewards.mean())
-        if penalty is not None:
-            metrics["kl_reward_penalty_mean"] = float(penalty.sum(-1).mean())
+        metrics = self.step.update(shard, None if ref is None else ref[rows])
+        metrics.update(batch_metrics)
         metrics.update(self.hooks.call("after_train_step", self.ctx, metrics))
         if returns is None or self.rank != 0:
             return metrics, None
         return metrics, masked_lists(returns, mask)
 
     def compute_logprobs(self, group_refs: list) -> list[list[float]] | None:
-        """Every sample's response-token logprobs under the current weights (rank 0 returns them)."""
-        batch, _ = self._batch(group_refs)
+        """Every sample's response-token logprobs under the current weights (rank 0 returns them).
+
+        The ``before_logprobs`` hooks see the shard with rewards shaped and advantages filled where they need no
+        critic values (GAE) or KL penalty.
+        """
+        batch, samples = self.batch(group_refs)
+        if self.config.advantage.kind != "gae":
+            self.step.advantages(batch, samples)
         shard = batch.shard(*self.data_shard)
         self.hooks.call("before_logprobs", self.ctx, shard)
-        return self.gather_masked(batch, self.backend.compute_logprobs(shard, self.config.temperature))
+        return self.gather_masked(batch, rl_step.logprobs(self.backend, shard, self.config.temperature))
 
     # --- weight sync ----------------------------------------------------------------------------
     def sync_plan(self, dtype: str, bucket_bytes: int) -> SyncPlan:
         """The bucket plan of this model's parameters in ``dtype``."""
         return self.backend.sync_plan(getattr(torch, dtype), bucket_bytes)
 
-    def join_sync_group(self, host: str, port: int, world_size: int, backend: str) -> None:
+    def join_sync_group(self, host: str, port: int, world_size: int, collective: str) -> None:
         """Rank 0 joins the weight-broadcast group as its root."""
-        from miles_ray.sync.gloo import BroadcastGroup
+        from miles_ray.sync.broadcast import BroadcastGroup
 
-        self._sync_group = BroadcastGroup.create(host, port, 0, world_size, backend)
+        self._sync_group = BroadcastGroup.create(host, port, 0, world_size, collective)
 
     def _gather(self, plan: SyncPlan):
         for bucket in plan.buckets:
@@ -318,18 +241,19 @@ class TrainerGroup:
             )
         if reference is not None and config.kl is None:
             raise ValueError("a reference actor was given but TrainerGroupConfig.kl is None (nothing would use it)")
-        self.config, self._critic, self._reference = config, critic, reference
+        self.config = config
+        self._critic = critic
+        self._reference = reference
         self._placement = placement
-        self._workers = self._start_ranks()
+        self._workers = self._start_workers()
         self._version = 0
         self._skipped = 0
         self._restarts = 0
 
-    def _start_ranks(self) -> list:
-        return start_ranks(
-            self._placement, TrainerWorker, "trainer", "TrainerGroupConfig.num_ranks", self.config,
-            self._reference is not None,
-        )  # fmt: skip
+    def _start_workers(self) -> list:
+        external_reference = self._reference is not None
+        count_field = "TrainerGroupConfig.num_ranks"
+        return start_workers(self._placement, TrainerWorker, "trainer", count_field, self.config, external_reference)
 
     def workers(self) -> list:
         """Rank actor handles, rank order (the WeightBroadcaster drives them directly)."""
@@ -358,8 +282,11 @@ class TrainerGroup:
             metrics.update({f"critic/{k}": v for k, v in critic_metrics.items()})
         if metrics["step_skipped"]:  # non-finite loss or gradients: weights unchanged, so is the version
             self._skipped += 1
-            logger.warning("train step skipped (non-finite loss or grad norm %s); weight version stays %d",
-                           metrics["grad_norm"], self._version)  # fmt: skip
+            logger.warning(
+                "train step skipped (non-finite loss or grad norm %s); weight version stays %d",
+                metrics["grad_norm"],
+                self._version,
+            )
         else:
             self._version += 1
         metrics["weight_version"] = self._version
@@ -410,8 +337,9 @@ class TrainerGroup:
         """
         for w in self._workers:
             ray.kill(w, no_restart=True)
-        self._workers = self._start_ranks()
-        self._version = self._skipped = 0
+        self._workers = self._start_workers()
+        self._version = 0
+        self._skipped = 0
         if path is not None:
             self.load(path)
         self._restarts += 1
@@ -434,4 +362,5 @@ class TrainerGroup:
         ray.get([w.load.remote(path) for w in self._workers])
         with open(os.path.join(path, "miles_ray_trainer.json")) as f:
             saved = json.load(f)
-        self._version, self._skipped = saved["weight_version"], saved.get("skipped_steps", 0)
+        self._version = saved["weight_version"]
+        self._skipped = saved.get("skipped_steps", 0)

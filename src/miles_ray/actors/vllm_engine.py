@@ -1,8 +1,7 @@
 """VLLMEngineActor: one vLLM server behind the engine-actor interface the Router and WeightBroadcaster use.
 
-Same methods as ``EngineActor`` (``generate``, ``flush_cache``, ``abort``, ``pause``, ``resume``, ``health``,
-``weight_version``, ``weights_checksum``, ``join_sync_group``, ``receive_broadcast``, ``load_buckets``), so a pool
-of vLLM engines drops into a run unchanged: ``RolloutPoolConfig(engine=VLLMEngineConfig(...))``.
+It implements ``actors.engine_actor.EngineInterface`` and ``EngineControl`` like the embedded engine's actor, so a
+pool of vLLM engines drops into a run unchanged: ``RolloutPoolConfig(engine=VLLMEngineConfig(...))``.
 
 Differences from the embedded engine, by vLLM's design: ``abort`` of one request cancels it and returns
 no partial tokens; a weight load pauses the server with ``mode=keep`` (running sequences continue on the
@@ -18,16 +17,18 @@ import time
 import torch
 
 from miles_ray.actors.server_engine import ServerEngineActor
+from miles_ray.engines.requests import DEFAULT_MODEL_NAME, PauseMode
 from miles_ray.engines.vllm import VLLMEngineConfig, VLLMServer
-from miles_ray.sync.plan import SyncPlan
+from miles_ray.sync.buckets import SyncPlan
 
 
 class VLLMEngineActor(ServerEngineActor):
     """One vLLM engine as an async actor (apply ``ray.remote`` via ``RolloutPool``)."""
 
     kind = "vllm"
+    accepts_adapters = False  # vLLM's LoRA serving (--enable-lora, load_lora_adapter) is not wired here
 
-    def __init__(self, engine_id: int, config: VLLMEngineConfig, served_model_name: str = "policy"):
+    def __init__(self, engine_id: int, config: VLLMEngineConfig, served_model_name: str = DEFAULT_MODEL_NAME):
         super().__init__(engine_id, config, VLLMServer(config, served_model_name))
         self._pending = []
 
@@ -37,11 +38,8 @@ class VLLMEngineActor(ServerEngineActor):
             if request_id is None or rid == request_id:
                 task.cancel()
 
-    async def pause(self, mode: str = "abort") -> None:
-        """Pause generation: ``abort`` in-flight requests or keep them ``in_place`` (vLLM ``keep``)."""
-        if mode not in ("abort", "in_place"):
-            raise ValueError(f"pause mode must be 'abort' or 'in_place', got {mode!r}")
-        await self._started()
+    async def _pause(self, mode: PauseMode) -> None:
+        await self._started()  # `in_place` is vLLM's `keep`
         await self.server.post("/pause", params={"mode": "keep" if mode == "in_place" else "abort"})
 
     async def resume(self) -> None:
@@ -56,11 +54,7 @@ class VLLMEngineActor(ServerEngineActor):
     def _apply(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
         self._pending.extend(named_tensors)  # views into this sync's bucket buffers, alive until the load ends
 
-    accepts_adapters = False  # vLLM's LoRA serving (--enable-lora, load_lora_adapter) is not wired here
-
     async def _load(self, run, plan: SyncPlan, version: int, verify: bool, in_flight: str) -> dict:
-        if in_flight != "continue":  # vLLM's pause modes map to the others, untested here: refuse rather than guess
-            raise ValueError(f"vLLM engines support in_flight='continue' only, got {in_flight!r}")
         if plan.adapter is not None:
             raise ValueError(
                 "vLLM engines take full weights only: the trainer has backend.lora set (adapter-only sync); "

@@ -23,12 +23,13 @@ Usage::
 from __future__ import annotations
 
 import time
-from typing import Literal
+import warnings
+from typing import Any, Literal
 
 import ray
-from pydantic import Field
+from pydantic import Field, model_validator
 
-from miles_ray.actors.rollout_pool import InFlight
+from miles_ray.actors.engine_actor import InFlight
 from miles_ray.config import StrictConfig
 from miles_ray.sync.checksum import sent_checksums
 from miles_ray.sync.shm import as_tensor
@@ -45,7 +46,9 @@ class WeightBroadcasterConfig(StrictConfig):
         "broadcast",
         description="broadcast (collective group, disaggregated) or shared_memory (object store, colocated).",
     )
-    backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="Collective backend for `broadcast`.")
+    collective: Literal["auto", "gloo", "nccl"] = Field(
+        "auto", description="Collective library of `broadcast`: auto (nccl with GPUs, else gloo), gloo or nccl."
+    )
     bucket_bytes: int = Field(64 << 20, ge=1 << 10, le=16 << 30, description="Bytes per bucket at most.")
     engine_dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="dtype the engines hold; the trainer casts before sending."
@@ -55,8 +58,22 @@ class WeightBroadcasterConfig(StrictConfig):
         "continue",
         description="Requests generating during a sync: continue (kept in their slots, go on with the new weights), "
         "finish (engines admit nothing new and finish them on the old weights first) or abort_resume (aborted, then "
-        "continued from their last token on the new weights). vLLM engines: continue only.",
+        "continued from their last token on the new weights). vLLM and SGLang engines: continue only.",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed_backend(cls, data: Any) -> Any:
+        # `backend` named the collective library until "backend" came to mean the trainer's alone
+        if isinstance(data, dict) and "backend" in data:
+            warnings.warn(
+                "WeightBroadcasterConfig.backend is deprecated: use collective", DeprecationWarning, stacklevel=2
+            )
+            data = {**data}
+            if "collective" in data:
+                raise ValueError("give collective only (backend is its deprecated name)")
+            data["collective"] = data.pop("backend")
+        return data
 
 
 @ray.remote(num_cpus=0)
@@ -67,7 +84,8 @@ class WeightBroadcaster:
         if not trainer_workers or not engines:
             raise ValueError("WeightBroadcaster needs at least one trainer worker and one engine")
         self.config = config
-        self._workers, self._engines = list(trainer_workers), list(engines)
+        self._workers = list(trainer_workers)
+        self._engines = list(engines)
         self._plan = ray.get(self._workers[0].sync_plan.remote(config.engine_dtype, config.bucket_bytes))
         adapters = self._plan.adapter is not None
         takes = ray.get([(e.takes_adapters if adapters else e.takes_full_weights).remote() for e in engines])
@@ -95,16 +113,16 @@ class WeightBroadcaster:
     def _setup_group(self) -> None:
         import torch
 
-        backend = self.config.backend
-        if backend == "auto":
-            backend = "nccl" if torch.cuda.is_available() or ray.cluster_resources().get("GPU", 0) > 0 else "gloo"
+        collective = self.config.collective
+        if collective == "auto":
+            collective = "nccl" if torch.cuda.is_available() or ray.cluster_resources().get("GPU", 0) > 0 else "gloo"
         host, port = ray.get(self._workers[0].address.remote())
         ranks = ray.get([e.sync_ranks.remote() for e in self._engines])  # an SGLang server joins with its TP ranks
         offsets = [1 + sum(ranks[:i]) for i in range(len(ranks))]
         world = 1 + sum(ranks)
         ray.get(
-            [self._workers[0].join_sync_group.remote(host, port, world, backend)]
-            + [e.join_sync_group.remote(host, port, off, world, backend) for off, e in zip(offsets, self._engines)]
+            [self._workers[0].join_sync_group.remote(host, port, world, collective)]
+            + [e.join_sync_group.remote(host, port, off, world, collective) for off, e in zip(offsets, self._engines)]
         )
         self._group_ready = True
 
@@ -176,8 +194,8 @@ class WeightBroadcaster:
         if any(v != version for v in versions):
             raise WeightSyncError(f"engines hold versions {versions} after syncing version {version}")
         if self.config.verify:
-            bad = [(r["engine_id"], r["checksum"], sent_checksum[k]) for r, k in zip(loaded, kinds)
-                   if r["checksum"] != sent_checksum[k]]  # fmt: skip
+            pairs = [(r["engine_id"], r["checksum"], sent_checksum[k]) for r, k in zip(loaded, kinds)]
+            bad = [(engine, held, sent) for engine, held, sent in pairs if held != sent]
             if bad:
                 raise WeightSyncError(f"engines hold other weights than the trainer sent (engine, held, sent): {bad}")
 
@@ -207,14 +225,15 @@ class WeightBroadcaster:
         start = time.perf_counter()
         _, sent_checksum, loaded = self._push_through_store([engine], kinds, version)
         self._check([engine], kinds, loaded, version, sent_checksum)
-        return {"engine_id": engine_id, "version": version, "seconds": time.perf_counter() - start,
-                "checksum": loaded[0]["checksum"]}  # fmt: skip
+        seconds = time.perf_counter() - start
+        return {"engine_id": engine_id, "version": version, "seconds": seconds, "checksum": loaded[0]["checksum"]}
 
     def set_trainer_workers(self, trainer_workers: list) -> None:
         """Drive new trainer rank actors (after ``TrainerGroup.restart``); the next sync re-forms the group."""
         if not trainer_workers:
             raise ValueError("set_trainer_workers needs at least one trainer worker")
-        self._workers, self._group_ready = list(trainer_workers), False
+        self._workers = list(trainer_workers)
+        self._group_ready = False
 
     def _checksum_refs(self, refs: list, kinds: list[str]) -> dict[str, str]:
         arrays = ray.get(refs)

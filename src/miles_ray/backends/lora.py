@@ -23,7 +23,7 @@ import torch
 from pydantic import Field, field_validator
 
 from miles_ray.config import StrictConfig
-from miles_ray.sync.plan import AdapterSpec
+from miles_ray.sync.buckets import AdapterSpec
 
 _ADAPTER = "default"  # peft's adapter name; one adapter per model here
 

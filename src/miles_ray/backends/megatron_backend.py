@@ -8,20 +8,21 @@ as on GPUs (Transformer Engine is not required); weights come in from the HF dir
 save to / load from ``dist_checkpointing`` checkpoints that reload under another TP size, and leave as
 HF-named tensors (gathered from rank 0's TP group) for the weight broadcaster.
 
-The loss, advantages, KL and mismatch corrections are the torch backend's (``TorchBackend.train_step``): this
-class provides the same primitives (``forward_logprobs`` with vocab-parallel logprobs and entropy, gradient
-reduction, clipped step) over the data-parallel group. On a machine without CUDA ``megatron_cpu.apply()``
-maps megatron's few ``torch.cuda`` calls to the CPU first.
+The loss, advantages, KL and mismatch corrections are ``backends.rl_step.RLStep``, the same as for the torch
+backend: this class implements the ``TrainBackend`` primitives (``forward_logprobs`` with vocab-parallel logprobs
+and entropy, gradient reduction, clipped step, sums over the data-parallel group). On a machine without CUDA
+``megatron_cpu.apply()`` maps megatron's few ``torch.cuda`` calls to the CPU first.
 
 Usage (inside a rank whose ``torch.distributed`` default group spans all trainer ranks)::
 
     backend = MegatronBackend(MegatronBackendConfig(parallel={"tensor_model_parallel_size": 2}),
-                              OptimizerConfig(lr=1e-5), PPOClipLossConfig(), model_path)
-    metrics = backend.train_step(batch.shard(backend.dp_rank, backend.dp_size), temperature=1.0)
+                              OptimizerConfig(lr=1e-5), model_path)
+    metrics = RLStep(backend, objective).update(batch.shard(backend.dp_rank, backend.dp_size))
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from pathlib import Path
@@ -32,29 +33,22 @@ import torch.distributed as dist
 from pydantic import Field, model_validator
 
 from miles_ray.backends import megatron_cpu
-from miles_ray.backends.base import OptimizerConfig
 from miles_ray.backends.megatron_convert import GPTShape, hf_to_megatron, megatron_source, megatron_to_hf
-from miles_ray.backends.objectives import (
-    CustomLossConfig,
-    GSPOLossConfig,
-    KLConfig,
-    MismatchCorrectionConfig,
-    PPOClipLossConfig,
-)
-from miles_ray.backends.torch_backend import TorchBackend
-from miles_ray.backends.torch_rank import rank_device
+from miles_ray.backends.optimizer import OptimizerConfig
+from miles_ray.backends.torch_parallel import DataParallelOps, load_rng, rank_device, save_rng
 from miles_ray.config import StrictConfig
 from miles_ray.models.llama import LlamaArgs
-from miles_ray.sync.plan import Bucket, SyncPlan, pack, plan_buckets
+from miles_ray.sync.buckets import Bucket, SyncPlan, pack, plan_buckets
+from miles_ray.types import RolloutBatch
 
 # TransformerConfig fields this backend sets itself (from the HF config or the typed fields below)
-_OWNED = {
-    "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size", "kv_channels",
-    "normalization", "gated_linear_unit", "activation_func", "add_bias_linear", "add_qkv_bias", "layernorm_epsilon",
-    "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
-    "expert_model_parallel_size", "sequence_parallel", "recompute_granularity", "recompute_method",
-    "recompute_num_layers", "params_dtype", "bf16", "use_cpu_initialization", "gradient_accumulation_fusion",
-}  # fmt: skip
+_OWNED = set(
+    """num_layers hidden_size num_attention_heads num_query_groups ffn_hidden_size kv_channels normalization
+    gated_linear_unit activation_func add_bias_linear add_qkv_bias layernorm_epsilon tensor_model_parallel_size
+    pipeline_model_parallel_size context_parallel_size expert_model_parallel_size sequence_parallel
+    recompute_granularity recompute_method recompute_num_layers params_dtype bf16 use_cpu_initialization
+    gradient_accumulation_fusion""".split()
+)
 
 
 class MegatronParallelConfig(StrictConfig):
@@ -123,21 +117,41 @@ def _transformer_config(hf: dict, args: LlamaArgs, config: MegatronBackendConfig
     p = config.parallel
     bf16 = config.dtype == "bfloat16"
     extra = {
-        "attention_dropout": 0.0, "hidden_dropout": 0.0, "bias_dropout_fusion": False, "apply_rope_fusion": False,
-        "masked_softmax_fusion": False, "persist_layer_norm": False, **config.transformer_args,
-    }  # fmt: skip
+        "attention_dropout": 0.0,
+        "hidden_dropout": 0.0,
+        "bias_dropout_fusion": False,
+        "apply_rope_fusion": False,
+        "masked_softmax_fusion": False,
+        "persist_layer_norm": False,
+        **config.transformer_args,
+    }
     return TransformerConfig(
-        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_heads,
-        num_query_groups=args.num_kv_heads, kv_channels=args.head_dim, ffn_hidden_size=args.intermediate_size,
-        normalization="RMSNorm", layernorm_epsilon=args.rms_norm_eps, gated_linear_unit=True,
-        activation_func=torch.nn.functional.silu, add_bias_linear=False, add_qkv_bias=args.attention_bias,
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_heads,
+        num_query_groups=args.num_kv_heads,
+        kv_channels=args.head_dim,
+        ffn_hidden_size=args.intermediate_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=args.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        add_qkv_bias=args.attention_bias,
         tensor_model_parallel_size=p.tensor_model_parallel_size,
-        pipeline_model_parallel_size=p.pipeline_model_parallel_size, context_parallel_size=p.context_parallel_size,
-        expert_model_parallel_size=p.expert_model_parallel_size, sequence_parallel=p.sequence_parallel,
-        recompute_granularity=p.recompute_granularity, recompute_method=p.recompute_method,
-        recompute_num_layers=p.recompute_num_layers, params_dtype=torch.bfloat16 if bf16 else torch.float32,
-        bf16=bf16, use_cpu_initialization=True, gradient_accumulation_fusion=False, **extra,
-    )  # fmt: skip
+        pipeline_model_parallel_size=p.pipeline_model_parallel_size,
+        context_parallel_size=p.context_parallel_size,
+        expert_model_parallel_size=p.expert_model_parallel_size,
+        sequence_parallel=p.sequence_parallel,
+        recompute_granularity=p.recompute_granularity,
+        recompute_method=p.recompute_method,
+        recompute_num_layers=p.recompute_num_layers,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        bf16=bf16,
+        use_cpu_initialization=True,
+        gradient_accumulation_fusion=False,
+        **extra,
+    )
 
 
 def build_gpt(model_path: str, config: MegatronBackendConfig):
@@ -163,11 +177,14 @@ def build_gpt(model_path: str, config: MegatronBackendConfig):
     if args.vocab_size % tp:
         raise ValueError(f"vocab_size={args.vocab_size} does not split over tensor_model_parallel_size={tp}")
     model = GPTModel(
-        config=tconfig, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
-        vocab_size=args.vocab_size, max_sequence_length=hf.get("max_position_embeddings", 4096),
-        position_embedding_type="rope", rotary_base=args.rope_theta,
+        config=tconfig,
+        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        vocab_size=args.vocab_size,
+        max_sequence_length=hf.get("max_position_embeddings", 4096),
+        position_embedding_type="rope",
+        rotary_base=args.rope_theta,
         share_embeddings_and_output_weights=shape.tie_word_embeddings,
-    )  # fmt: skip
+    )
     state = {}
     for f in sorted(Path(model_path).glob("*.safetensors")):
         state.update(load_file(f))
@@ -205,15 +222,25 @@ def _megatron_optimizer(model, optim: OptimizerConfig, config: MegatronBackendCo
 
     bf16 = config.dtype == "bfloat16"
     mconfig = MOptimizerConfig(
-        optimizer="adam", lr=optim.lr, weight_decay=optim.weight_decay, adam_beta1=optim.betas[0],
-        adam_beta2=optim.betas[1], adam_eps=optim.eps, clip_grad=optim.grad_clip, bf16=bf16,
-        params_dtype=torch.bfloat16 if bf16 else torch.float32, use_distributed_optimizer=False,
-    )  # fmt: skip
+        optimizer="adam",
+        lr=optim.lr,
+        weight_decay=optim.weight_decay,
+        adam_beta1=optim.betas[0],
+        adam_beta2=optim.betas[1],
+        adam_eps=optim.eps,
+        clip_grad=optim.grad_clip,
+        bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        use_distributed_optimizer=False,
+    )
     return get_megatron_optimizer(mconfig, [model])
 
 
-class MegatronBackend(TorchBackend):
+class MegatronBackend(DataParallelOps):
     """One rank of a Megatron-core policy: ``TP x DP`` ranks, Megatron DDP and optimizer, HF weights in and out.
+
+    Sums, gathers and the backward's share come from ``DataParallelOps`` over Megatron's data-parallel group (TP
+    peers hold the same data shard).
 
     Raises:
         ValueError: for a world size the TP size does not divide, an unsupported architecture, or an on-rank
@@ -221,68 +248,74 @@ class MegatronBackend(TorchBackend):
 
     """
 
-    def __init__(
-        self,
-        config: MegatronBackendConfig,
-        optim: OptimizerConfig,
-        loss: PPOClipLossConfig | GSPOLossConfig | CustomLossConfig,
-        model_path: str,
-        correction: MismatchCorrectionConfig | None = None,
-        entropy_coef: float = 0.0,
-        kl: KLConfig | None = None,
-        local_reference: bool = True,
-    ):
+    def __init__(self, config: MegatronBackendConfig, optim: OptimizerConfig, model_path: str, reference: bool = False):
         from megatron.core import parallel_state as ps
         from megatron.core import tensor_parallel
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
         megatron_cpu.apply()
         tp = config.parallel.tensor_model_parallel_size
-        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
         if self.world_size % tp:
             raise ValueError(f"tensor_model_parallel_size={tp} must divide the trainer's num_ranks={self.world_size}")
-        if kl is not None and local_reference:
+        if reference:
             raise ValueError("the Megatron backend keeps no on-rank KL reference: give TrainerGroup a ReferenceGroup")
         torch.set_num_threads(config.num_threads)
         if not ps.model_parallel_is_initialized():
             ps.initialize_model_parallel(tensor_model_parallel_size=tp)
         tensor_parallel.model_parallel_cuda_manual_seed(config.seed)
-        self.config, self.optim_config, self.model_path = config, optim, model_path
+        self.config = config
+        self.optim_config = optim
+        self.model_path = model_path
         self.device = rank_device()
-        self.dp_group, self.dp_rank, self.dp_size = (
-            ps.get_data_parallel_group(),
-            ps.get_data_parallel_rank(),
-            ps.get_data_parallel_world_size(),
-        )
-        self.tp_group, self.tp_rank, self.tp_size = (
-            ps.get_tensor_model_parallel_group(),
-            ps.get_tensor_model_parallel_rank(),
-            tp,
-        )
+        self.dp_group = ps.get_data_parallel_group()
+        self.dp_rank = ps.get_data_parallel_rank()
+        self.dp_size = ps.get_data_parallel_world_size()
+        self.tp_group = ps.get_tensor_model_parallel_group()
+        self.tp_rank = ps.get_tensor_model_parallel_rank()
+        self.tp_size = tp
         module, self.shape, self.hf_shapes = build_gpt(model_path, config)
         self.hf_model = module.to(self.device)
-        ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                            use_distributed_optimizer=False)  # fmt: skip
+        ddp = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
+        )
         self.model = DistributedDataParallel(config=module.config, ddp_config=ddp, module=self.hf_model)
         with megatron_cpu.cpu_devices():
             self.optimizer = _megatron_optimizer(self.model, optim, config)
-        self.adapter, self.routes, self.reference = None, None, None
-        self.set_objectives(loss, correction, entropy_coef, kl)
+        self.reference = None  # always served by a ReferenceGroup (refused above)
         self.model.zero_grad_buffer()
 
-    # --- the primitives TorchBackend.train_step drives ------------------------------------------
-    def forward_logprobs(self, input_ids, attention_mask, response_mask, temperature):
-        """``[B, T-1]`` next-token logprobs and entropies (vocab-parallel), 0 before the first response position."""
-        input_ids = input_ids.to(self.device)
+    # --- the primitives RLStep drives (backends.interface.TrainBackend) ----------------------------------------------
+    @property
+    def micro_batch_size(self) -> int:
+        """Samples per forward/backward on one DP rank."""
+        return self.config.micro_batch_size
+
+    def train(self, mode: bool = True) -> None:
+        """Training or evaluation mode."""
+        self.model.train(mode)
+
+    def micro_batch(self, batch: RolloutBatch):
+        """Nothing to track around a micro-batch: no MoE routing replay here yet."""
+        return contextlib.nullcontext()
+
+    def route_counts(self) -> None:
+        """No MoE routes are tracked here yet."""
+        return None
+
+    def forward_logprobs(self, batch: RolloutBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[B, T-1]`` next-token logprobs and entropies (vocab-parallel), 0 before the first trained position."""
+        input_ids = batch.input_ids.to(self.device)
         bsz, seq = input_ids.shape
         positions = torch.arange(seq, device=self.device).expand(bsz, seq)
         # right padding and causal attention: padded keys only ever follow the real tokens
         causal = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=self.device), diagonal=1)[None, None]
         logits = self.model(input_ids, positions, attention_mask=causal)  # [B, T, V/tp]
-        width = seq - 1
-        nonzero = response_mask.any(dim=0).nonzero()
-        start = int(nonzero[0]) if nonzero.numel() else width - 1
-        lp, entropy = _vocab_parallel_logprobs_entropy(logits[:, start:width], input_ids[:, start + 1 :], temperature)
+        start = batch.first_trained_position()
+        lp, entropy = _vocab_parallel_logprobs_entropy(
+            logits[:, start : seq - 1], input_ids[:, start + 1 :], temperature
+        )
         pad = lp.new_zeros(bsz, start)
         return torch.cat([pad, lp], dim=1), torch.cat([pad, entropy], dim=1)
 
@@ -293,7 +326,7 @@ class MegatronBackend(TorchBackend):
         """Reduce the grad buffers over DP, then Megatron's optimizer clips and steps (skipped if not finite)."""
         self.model.finish_grad_sync()
         bad = 0.0 if math.isfinite(loss_sum) else 1.0
-        skipped = self.global_sum(bad) > 0
+        skipped = self.global_sum([bad])[0] > 0
         norm = float("nan")
         if not skipped:
             with megatron_cpu.cpu_devices():
@@ -314,8 +347,11 @@ class MegatronBackend(TorchBackend):
         if self.dp_rank != 0:
             return {}
         local = self.hf_model.state_dict()
-        wanted = {megatron_source(n) for n in names} if names is not None else {
-            n for n in local if not n.endswith("._extra_state")}  # fmt: skip
+        wanted = (
+            {megatron_source(n) for n in names}
+            if names is not None
+            else {n for n in local if not n.endswith("._extra_state")}
+        )
         shards = {}
         for name in sorted(wanted):  # the same order on every rank of the group
             p = local[name].detach().contiguous()
@@ -354,7 +390,7 @@ class MegatronBackend(TorchBackend):
         with megatron_cpu.cpu_devices():
             state = {"model": model_sd, "optimizer": self.optimizer.sharded_state_dict(model_sd)}
             dist_checkpointing.save(state, path)
-        self.save_rng(path)
+        save_rng(path, self.rank)
 
     def load(self, path: str) -> None:
         """Collective: load a ``save`` checkpoint (model + optimizer), resharding to this TP size."""
@@ -366,4 +402,4 @@ class MegatronBackend(TorchBackend):
             state = dist_checkpointing.load(wanted, path)
             self.hf_model.load_state_dict(state["model"], strict=False)
             self.optimizer.load_state_dict(state["optimizer"])
-        self.load_rng(path)
+        load_rng(path, self.rank)

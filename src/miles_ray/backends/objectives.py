@@ -1,7 +1,9 @@
-"""Typed selection of the RL objective: advantage estimators and policy losses as discriminated unions.
+"""The RL objective as typed config: ``ObjectiveConfig`` and its parts (losses, advantage estimators, KL, shaping).
 
+``TrainerGroupConfig`` is an ``ObjectiveConfig`` plus the model, ranks, backend and optimizer:
 ``TrainerGroupConfig(advantage={"kind": "rloo"}, loss={"kind": "gspo"})`` picks the pure functions in
-``miles_ray.algo``; ``resolve_loss`` and ``compute_advantages`` are the only places that map configs to them.
+``miles_ray.algo``; ``resolve_loss`` and ``compute_advantages`` are the only places that map configs to them, and
+``backends.rl_step.RLStep`` is the one place that applies them.
 
 Usage::
 
@@ -12,7 +14,7 @@ Usage::
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 import torch
 from pydantic import Field, model_validator
@@ -27,8 +29,8 @@ from miles_ray.algo import (
     whiten,
 )
 from miles_ray.algo.advantages import grpo_advantages
-from miles_ray.config import StrictConfig
-from miles_ray.rewards.safe import resolve_callable
+from miles_ray.callables import resolve_callable
+from miles_ray.config import StrictConfig, kind_union
 
 
 class PPOClipLossConfig(StrictConfig):
@@ -89,7 +91,7 @@ class CustomLossConfig(StrictConfig):
         return self
 
 
-LossConfig = Annotated[PPOClipLossConfig | GSPOLossConfig | CustomLossConfig, Field(discriminator="kind")]
+LossConfig = kind_union(PPOClipLossConfig, GSPOLossConfig, CustomLossConfig, default="ppo_clip")
 
 
 def resolve_loss(config: PPOClipLossConfig | GSPOLossConfig | CustomLossConfig) -> tuple[Callable, dict]:
@@ -146,10 +148,9 @@ class GAEAdvantageConfig(StrictConfig):
     whiten: bool = Field(True, description="Normalise advantages over the batch's tokens (returns are not).")
 
 
-AdvantageConfig = Annotated[
-    GRPOAdvantageConfig | RLOOAdvantageConfig | ReinforcePPAdvantageConfig | GAEAdvantageConfig,
-    Field(discriminator="kind"),
-]
+AdvantageConfig = kind_union(
+    GRPOAdvantageConfig, RLOOAdvantageConfig, ReinforcePPAdvantageConfig, GAEAdvantageConfig, default="grpo"
+)
 
 
 class KLConfig(StrictConfig):
@@ -229,3 +230,39 @@ def gae_targets(
         token_rewards = token_rewards - token_penalty * response_mask
     adv, returns = gae_advantages(token_rewards, values, response_mask, config.gamma, config.lam)
     return (whiten(adv, response_mask) if config.whiten else adv), returns
+
+
+class ObjectiveConfig(StrictConfig):
+    """What one RL step optimises: loss, advantages, their extra terms, reward shaping (``RLStep`` applies it)."""
+
+    loss: LossConfig = Field(default_factory=PPOClipLossConfig, description="Policy loss (ppo_clip | gspo | custom).")
+    advantage: AdvantageConfig = Field(
+        default_factory=GRPOAdvantageConfig,
+        description="Advantage estimator (grpo | rloo | reinforce_pp | gae; gae needs TrainerGroup(critic=...)).",
+    )
+    mismatch_correction: MismatchCorrectionConfig | None = Field(
+        None, description="TIS/MIS weights from the engine's logprobs (ppo_clip loss only); None disables."
+    )
+    entropy_coef: float = Field(0.0, ge=0.0, le=1.0, description="Entropy bonus coefficient (0: logged only).")
+    kl: KLConfig | None = Field(
+        None, description="KL to a frozen reference model (the initial weights), as loss or reward; None disables."
+    )
+    overlong_penalty: OverlongPenaltyConfig | None = Field(
+        None, description="DAPO soft overlong penalty added to rewards before advantages; None disables."
+    )
+    temperature: float = Field(
+        1.0, gt=0.0, le=10.0, description="Rollout sampling temperature; the trainer's logits are divided by it."
+    )
+    old_logprobs: Literal["current", "rollout"] = Field(
+        "current",
+        description="Behaviour logprobs in the PPO ratio: the current policy's (exact for one step per batch) or "
+        "the engine's rollout logprobs.",
+    )
+
+    @model_validator(mode="after")
+    def _check_correction(self) -> ObjectiveConfig:
+        if self.mismatch_correction is not None and self.loss.kind != "ppo_clip":
+            raise ValueError(
+                f"mismatch_correction needs loss.kind='ppo_clip' (per-token weights), got loss.kind={self.loss.kind!r}"
+            )
+        return self

@@ -1,6 +1,6 @@
-"""Rollout engines behind the ``RolloutEngine`` interface: the embedded pure-PyTorch engine (default), vLLM, SGLang."""
+"""Rollout engines: the embedded pure-PyTorch engine (default), vLLM and SGLang servers, and their request types."""
 
-from miles_ray.engines.base import Completion, GenerateOutput, GenerateRequest, RolloutEngine, SamplingParams
+from miles_ray.engines.requests import Completion, GenerateOutput, GenerateRequest, SamplingParams
 from miles_ray.engines.sglang import SGLangEngineConfig, SGLangLoRAConfig
 from miles_ray.engines.vllm import VLLMEngineConfig
 
@@ -8,7 +8,6 @@ __all__ = [
     "Completion",
     "GenerateOutput",
     "GenerateRequest",
-    "RolloutEngine",
     "SamplingParams",
     "SGLangEngineConfig",
     "SGLangLoRAConfig",

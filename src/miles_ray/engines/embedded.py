@@ -34,10 +34,17 @@ import torch
 from pydantic import Field
 
 from miles_ray.config import StrictConfig
-from miles_ray.engines.base import Completion, GenerateOutput, GenerateRequest, SamplingParams
+from miles_ray.engines.requests import (
+    Completion,
+    GenerateOutput,
+    GenerateRequest,
+    PauseMode,
+    SamplingParams,
+    check_pause_mode,
+)
 from miles_ray.models.quant import RoundedLinear, WeightFormatConfig, apply_weight_format
+from miles_ray.sync.buckets import AdapterSpec
 from miles_ray.sync.checksum import named_tensors_checksum
-from miles_ray.sync.plan import AdapterSpec
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -100,7 +107,7 @@ class _Row:
 
 
 class EmbeddedEngine:
-    """In-process rollout engine implementing ``RolloutEngine``."""
+    """The in-process rollout engine: continuous batching over a slot KV cache (see the module docstring)."""
 
     def __init__(self, config: EmbeddedEngineConfig):
         from transformers import AutoTokenizer
@@ -190,7 +197,7 @@ class EmbeddedEngine:
             ValueError: if the engine holds a different adapter spec (rank, scaling and targets are fixed per run).
 
         """
-        from miles_ray.models.lora import add_lora
+        from miles_ray.models.lora_layers import add_lora
 
         if self.config.weight_format is not None:
             raise ValueError("LoRA adapters and weight_format cannot be combined yet (engine config)")
@@ -247,15 +254,14 @@ class EmbeddedEngine:
             else:
                 self._abort_ids.add(request_id)
 
-    def pause(self, mode: Literal["abort", "in_place"] = "abort") -> None:
+    def pause(self, mode: PauseMode = "abort") -> None:
         """Stop stepping. ``in_place`` keeps running sequences in their slots; ``abort`` ends them first.
 
         Raises:
             ValueError: for another mode.
 
         """
-        if mode not in ("abort", "in_place"):
-            raise ValueError(f"pause mode must be 'abort' or 'in_place', got {mode!r}")
+        check_pause_mode(mode)
         with self._lock:  # returns once the step in progress (if any) is over
             self._paused = True
             if mode == "abort":
@@ -368,7 +374,9 @@ class EmbeddedEngine:
         self._retire({s: "abort" for s in finished})
 
     def _admit(self) -> list[_Request]:
-        admitted, free, budget = [], self.num_slots - len(self._running), self.config.max_prefill_tokens
+        admitted: list[_Request] = []
+        free = self.num_slots - len(self._running)  # KV slots
+        budget = self.config.max_prefill_tokens  # prompt tokens this step may prefill
         if self._holding:
             return admitted
         with self._mu:

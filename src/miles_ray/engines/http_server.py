@@ -36,8 +36,8 @@ from aiohttp import web
 from pydantic import Field, ValidationError
 
 from miles_ray.config import StrictConfig
-from miles_ray.engines.base import GenerateOutput, GenerateRequest, SamplingParams
 from miles_ray.engines.loop import EngineLoop
+from miles_ray.engines.requests import GenerateOutput, GenerateRequest, SamplingParams
 
 
 class HttpServerConfig(StrictConfig):
@@ -93,7 +93,9 @@ class EngineServer:
     """The routes of one engine; ``app`` is the aiohttp application."""
 
     def __init__(self, loop: EngineLoop, model_name: str, config: HttpServerConfig | None = None):
-        self.loop, self.engine, self.model_name = loop, loop.engine, model_name
+        self.loop = loop
+        self.engine = loop.engine
+        self.model_name = model_name
         self.config = config or HttpServerConfig()
         self.tokenizer = self.engine.tokenizer
         app = web.Application(middlewares=[self._middleware], client_max_size=self.config.max_body_mb * 2**20)

@@ -16,8 +16,8 @@ import asyncio
 import itertools
 import threading
 
-from miles_ray.engines.base import GenerateOutput, GenerateRequest
 from miles_ray.engines.embedded import EmbeddedEngine
+from miles_ray.engines.requests import GenerateOutput, GenerateRequest
 
 
 class EngineLoop:

@@ -17,6 +17,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from miles_ray.engines.requests import SamplingParams
+
 
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 now."""
@@ -80,7 +82,8 @@ class ServerProcess:
             ServerError: if the process exits or the timeout passes (with the log's tail).
 
         """
-        session, deadline = await self._client(), time.monotonic() + self.startup_timeout_s
+        session = await self._client()
+        deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
             self.check_alive()
             try:
@@ -139,6 +142,26 @@ class ServerProcess:
             os.killpg(self._proc.pid, sig)
         except (ProcessLookupError, PermissionError):
             pass
+
+
+def sampling_fields(params: SamplingParams, max_tokens: str, seed: str) -> dict:
+    """The sampling fields of a vLLM or SGLang request body, with the server's own names for the budget and seed.
+
+    Fields left unset (no stop strings, no seed) are omitted.
+    """
+    fields = {
+        "n": params.n,
+        max_tokens: params.max_new_tokens,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "top_k": params.top_k,
+        "stop": params.stop or None,
+        "stop_token_ids": params.stop_token_ids or None,
+        "ignore_eos": params.ignore_eos,
+        seed: params.seed,
+        "skip_special_tokens": False,  # the token ids are what is trained; the text is for rewards and logs
+    }
+    return {k: v for k, v in fields.items() if v is not None}
 
 
 def server_flags(args: dict[str, str | int | float | bool]) -> list[str]:

@@ -8,7 +8,7 @@ for ``/health`` and speaks the routes the engine interface needs:
   top-p/top-k < 1 SGLang reports the renormalised distribution, unlike the embedded engine);
 - ``/pause_generation`` (``in_place`` | ``abort``), ``/continue_generation``, ``/abort_request``, ``/flush_cache``;
 - weights, disaggregated: ``/init_weights_update_group`` puts the server's TP ranks into the trainer's broadcast
-  group (``miles_ray.sync.gloo``, formed the same way), then per bucket ``/update_weights_from_distributed`` with
+  group (``miles_ray.sync.broadcast``, formed the same way), then per bucket ``/update_weights_from_distributed`` with
   ``load_format="flattened_bucket"`` while trainer rank 0 broadcasts the bucket's bytes; colocated:
   ``/update_weights_from_tensor`` (tensors passed by shared-memory handle); around them
   ``/begin_weight_update`` / ``/end_weight_update`` where the server has them, and ``/update_weight_version``;
@@ -40,16 +40,38 @@ import numpy as np
 from pydantic import Field, model_validator
 
 from miles_ray.config import StrictConfig
-from miles_ray.engines.base import Completion, GenerateRequest
-from miles_ray.engines.server_process import ServerError, ServerProcess, check_passthrough, server_flags
+from miles_ray.engines.requests import DEFAULT_MODEL_NAME, Completion, GenerateRequest
+from miles_ray.engines.server_process import (
+    ServerError,
+    ServerProcess,
+    check_passthrough,
+    sampling_fields,
+    server_flags,
+)
 
 SITE_DIR = Path(__file__).resolve().parent / "sglang_site"
 # flags this module sets itself; sglang_args may not override them
 _OWN_FLAGS = {
-    "model-path", "host", "port", "served-model-name", "dtype", "tp-size", "device", "random-seed",
-    "mem-fraction-static", "max-total-tokens", "context-length", "attention-backend", "enable-memory-saver",
-    "enable-lora", "max-lora-rank", "lora-target-modules", "lora-backend", "max-loras-per-batch", "lora-paths",
-}  # fmt: skip
+    "model-path",
+    "host",
+    "port",
+    "served-model-name",
+    "dtype",
+    "tp-size",
+    "device",
+    "random-seed",
+    "mem-fraction-static",
+    "max-total-tokens",
+    "context-length",
+    "attention-backend",
+    "enable-memory-saver",
+    "enable-lora",
+    "max-lora-rank",
+    "lora-target-modules",
+    "lora-backend",
+    "max-loras-per-batch",
+    "lora-paths",
+}
 PROBE_VALUES = 16  # values of each tensor's first row compared after a sync
 
 
@@ -75,12 +97,15 @@ class SGLangLoRAConfig(StrictConfig):
     def check_adapter(self, rank: int, target_modules) -> None:
         """Raise ``ValueError`` unless this server can serve a trainer's adapter of ``rank`` on ``target_modules``."""
         if rank > self.max_lora_rank:
-            raise ValueError(f"the trainer's LoRA rank {rank} exceeds SGLangEngineConfig.lora.max_lora_rank "
-                             f"{self.max_lora_rank}")  # fmt: skip
+            raise ValueError(
+                f"the trainer's LoRA rank {rank} exceeds SGLangEngineConfig.lora.max_lora_rank {self.max_lora_rank}"
+            )
         missing = sorted(set(target_modules) - set(self.target_modules))
         if missing and "all" not in self.target_modules:
-            raise ValueError(f"the trainer's LoRA target modules {missing} are not in "
-                             f"SGLangEngineConfig.lora.target_modules {self.target_modules}")  # fmt: skip
+            raise ValueError(
+                f"the trainer's LoRA target modules {missing} are not in "
+                f"SGLangEngineConfig.lora.target_modules {self.target_modules}"
+            )
 
     def flags(self, device: str) -> list[str]:
         """The server flags that turn LoRA serving on."""
@@ -147,7 +172,7 @@ class SGLangServer(ServerProcess):
 
     name, error = "SGLang", SGLangError
 
-    def __init__(self, config: SGLangEngineConfig, served_model_name: str = "policy"):
+    def __init__(self, config: SGLangEngineConfig, served_model_name: str = DEFAULT_MODEL_NAME):
         self.config, self.model_name = config, served_model_name
         self.device = config.resolved_device()
         super().__init__(config.startup_timeout_s)
@@ -181,15 +206,9 @@ class SGLangServer(ServerProcess):
 
     async def generate(self, request: GenerateRequest, adapter: str | None = None) -> list[Completion]:
         """The ``n`` completions of one request (token ids, logprobs, text, finish reason), with LoRA ``adapter``."""
-        p = request.params
-        sampling = {
-            "n": p.n, "max_new_tokens": p.max_new_tokens, "temperature": p.temperature, "top_p": p.top_p,
-            "top_k": p.top_k, "stop": p.stop or None, "stop_token_ids": p.stop_token_ids or None,
-            "ignore_eos": p.ignore_eos, "sampling_seed": p.seed, "skip_special_tokens": False,
-        }  # fmt: skip
         body = {
             "input_ids": request.prompt_ids,
-            "sampling_params": {k: v for k, v in sampling.items() if v is not None},
+            "sampling_params": sampling_fields(request.params, max_tokens="max_new_tokens", seed="sampling_seed"),
             "return_logprob": True,
             "rid": request.request_id or None,
             "lora_path": adapter,

@@ -30,15 +30,30 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from miles_ray.config import StrictConfig
-from miles_ray.engines.base import Completion, GenerateRequest
-from miles_ray.engines.server_process import ServerError, ServerProcess, check_passthrough, server_flags
+from miles_ray.engines.requests import DEFAULT_MODEL_NAME, Completion, GenerateRequest
+from miles_ray.engines.server_process import (
+    ServerError,
+    ServerProcess,
+    check_passthrough,
+    sampling_fields,
+    server_flags,
+)
 
 _EXT_DIR = Path(__file__).resolve().parent / "vllm_worker"
 # flags this module sets itself; vllm_args may not override them
 _OWN_FLAGS = {
-    "model", "host", "port", "served-model-name", "worker-extension-cls", "logprobs-mode", "dtype",
-    "max-model-len", "seed", "enable-prefix-caching", "no-enable-prefix-caching",
-}  # fmt: skip
+    "model",
+    "host",
+    "port",
+    "served-model-name",
+    "worker-extension-cls",
+    "logprobs-mode",
+    "dtype",
+    "max-model-len",
+    "seed",
+    "enable-prefix-caching",
+    "no-enable-prefix-caching",
+}
 
 
 class VLLMEngineConfig(StrictConfig):
@@ -81,7 +96,7 @@ class VLLMServer(ServerProcess):
 
     name, error = "vLLM", VLLMError
 
-    def __init__(self, config: VLLMEngineConfig, served_model_name: str = "policy"):
+    def __init__(self, config: VLLMEngineConfig, served_model_name: str = DEFAULT_MODEL_NAME):
         self.config, self.model_name = config, served_model_name
         super().__init__(config.startup_timeout_s)
         shm = Path("/dev/shm")
@@ -108,14 +123,9 @@ class VLLMServer(ServerProcess):
 
     async def generate(self, request: GenerateRequest) -> list[Completion]:
         """The ``n`` completions of one request (token ids, processed logprobs, text, finish reason)."""
-        p = request.params
-        body = {
-            "model": self.model_name, "prompt": request.prompt_ids, "n": p.n, "max_tokens": p.max_new_tokens,
-            "temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k, "stop": p.stop or None,
-            "stop_token_ids": p.stop_token_ids or None, "ignore_eos": p.ignore_eos, "seed": p.seed,
-            "logprobs": 0, "return_token_ids": True, "skip_special_tokens": False,
-        }  # fmt: skip
-        out = await self.post("/v1/completions", {k: v for k, v in body.items() if v is not None})
+        sampling = sampling_fields(request.params, max_tokens="max_tokens", seed="seed")
+        body = {"model": self.model_name, "prompt": request.prompt_ids, **sampling, "logprobs": 0}
+        out = await self.post("/v1/completions", {**body, "return_token_ids": True})
         completions = []
         for choice in sorted(out["choices"], key=lambda c: c["index"]):
             reason = {"stop": "stop", "length": "length"}.get(choice["finish_reason"], "abort")

@@ -122,9 +122,14 @@ def _random_model_dir(name: str, seed: int, build) -> Path:
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(smollm2_135m_dir())
-        common = {"vocab_size": len(tok), "max_position_embeddings": 2048, "rope_theta": 10000.0,
-                  "tie_word_embeddings": True, "bos_token_id": tok.bos_token_id,
-                  "eos_token_id": tok.eos_token_id}  # fmt: skip
+        common = {
+            "vocab_size": len(tok),
+            "max_position_embeddings": 2048,
+            "rope_theta": 10000.0,
+            "tie_word_embeddings": True,
+            "bos_token_id": tok.bos_token_id,
+            "eos_token_id": tok.eos_token_id,
+        }
         torch.manual_seed(seed)
         build(common).save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
@@ -202,14 +207,23 @@ def upcycled_moe_dir(num_experts: int = 4, top_k: int = 2, noise: float = 0.2, s
         dense = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
         c = dense.config
         config = MixtralConfig(
-            vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-            num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
-            num_key_value_heads=c.num_key_value_heads, head_dim=c.hidden_size // c.num_attention_heads,
-            max_position_embeddings=c.max_position_embeddings, rms_norm_eps=c.rms_norm_eps,
-            rope_theta=c.rope_parameters["rope_theta"], tie_word_embeddings=c.tie_word_embeddings,
-            num_local_experts=num_experts, num_experts_per_tok=top_k, sliding_window=None,
-            bos_token_id=c.bos_token_id, eos_token_id=c.eos_token_id,
-        )  # fmt: skip
+            vocab_size=c.vocab_size,
+            hidden_size=c.hidden_size,
+            intermediate_size=c.intermediate_size,
+            num_hidden_layers=c.num_hidden_layers,
+            num_attention_heads=c.num_attention_heads,
+            num_key_value_heads=c.num_key_value_heads,
+            head_dim=c.hidden_size // c.num_attention_heads,
+            max_position_embeddings=c.max_position_embeddings,
+            rms_norm_eps=c.rms_norm_eps,
+            rope_theta=c.rope_parameters["rope_theta"],
+            tie_word_embeddings=c.tie_word_embeddings,
+            num_local_experts=num_experts,
+            num_experts_per_tok=top_k,
+            sliding_window=None,
+            bos_token_id=c.bos_token_id,
+            eos_token_id=c.eos_token_id,
+        )
         moe = MixtralForCausalLM(config)
         state = {k: v for k, v in dense.state_dict().items() if ".mlp." not in k}
         g = torch.Generator().manual_seed(seed)

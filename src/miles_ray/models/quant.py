@@ -117,9 +117,10 @@ class WeightFormatConfig(StrictConfig):
 
 def _targets(model: torch.nn.Module, skip: tuple[str, ...]) -> list[tuple[str, torch.nn.Linear]]:
     return [
-        (name, m) for name, m in model.named_modules()
+        (name, m)
+        for name, m in model.named_modules()
         if isinstance(m, torch.nn.Linear) and name.rsplit(".", 1)[-1] not in skip
-    ]  # fmt: skip
+    ]
 
 
 class FakeQuantLinear(torch.nn.Linear):

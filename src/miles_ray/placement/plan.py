@@ -94,9 +94,14 @@ def colocated(
         for role in roles
     }
     return PlacementPlan(
-        "colocated", bundles, slots["trainer"], slots["engine"], strategy,
-        critic_slots=slots.get("critic", ()), reference_slots=slots.get("reference", ()),
-    )  # fmt: skip
+        "colocated",
+        bundles,
+        slots["trainer"],
+        slots["engine"],
+        strategy,
+        critic_slots=slots.get("critic", ()),
+        reference_slots=slots.get("reference", ()),
+    )
 
 
 def disaggregated(
@@ -132,6 +137,11 @@ def disaggregated(
         slots[role] = tuple(Slot(len(bundles) + i, cpus_per_bundle, gpus) for i in range(count))
         bundles += [_bundle(cpus_per_bundle, gpus)] * count
     return PlacementPlan(
-        "disaggregated", tuple(bundles), slots["trainer"], slots["engine"], strategy,
-        critic_slots=slots["critic"], reference_slots=slots["reference"],
-    )  # fmt: skip
+        "disaggregated",
+        tuple(bundles),
+        slots["trainer"],
+        slots["engine"],
+        strategy,
+        critic_slots=slots["critic"],
+        reference_slots=slots["reference"],
+    )

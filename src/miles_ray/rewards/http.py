@@ -24,7 +24,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from miles_ray.rewards.safe import resolve_callable
+from miles_ray.callables import resolve_callable
 
 
 class HttpReward:

@@ -15,12 +15,17 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import importlib
 import inspect
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from miles_ray.callables import resolve_callable as _resolve_callable
+from miles_ray.deprecation import moved
+
+# resolve_callable moved to miles_ray.callables (every extension point uses it, not only rewards)
+__getattr__ = moved(__name__, {"resolve_callable": "miles_ray.callables:resolve_callable"})
 
 
 @dataclass(frozen=True)
@@ -31,36 +36,13 @@ class RewardFailure:
     message: str
 
 
-def resolve_callable(spec: str | Callable, what: str = "callable") -> Callable:
-    """Resolve ``"pkg.module:attr"`` / ``"pkg.module.attr"`` or return a callable as is.
-
-    Raises:
-        ValueError: if the path cannot be imported or does not name a callable.
-
-    """
-    if callable(spec):
-        return spec
-    if not isinstance(spec, str) or not spec:
-        raise ValueError(f"{what} must be a callable or an import path 'pkg.module:attr', got {spec!r}")
-    module_name, sep, attr = spec.partition(":")
-    if not sep:
-        module_name, _, attr = spec.rpartition(".")
-    try:
-        obj = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError, ValueError) as exc:
-        raise ValueError(f"{what} {spec!r} cannot be imported: {exc}") from exc
-    if not callable(obj):
-        raise ValueError(f"{what} {spec!r} is not callable")
-    return obj
-
-
 class SafeReward:
     """A reward function that never raises: failures come back as ``RewardFailure``."""
 
     def __init__(self, fn: str | Callable[[str, Any], float], timeout_s: float = 30.0, max_workers: int = 8):
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-        self.fn = resolve_callable(fn, "reward function")
+        self.fn = _resolve_callable(fn, "reward function")
         self.timeout_s = timeout_s
         # a hung call keeps its worker thread; the pool bounds how many can pile up
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="reward")

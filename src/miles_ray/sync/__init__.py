@@ -1,7 +1,7 @@
-"""Weight sync: bucket plans, checksums and the two transports (gloo/NCCL broadcast, shared memory)."""
+"""Weight sync: bucket plans (``buckets``), checksums, the transports (``broadcast`` over gloo/NCCL, ``shm``)."""
 
+from miles_ray.sync.buckets import Bucket, SyncPlan, TensorMeta, pack, plan_buckets, unpack
 from miles_ray.sync.checksum import buckets_checksum, named_tensors_checksum
-from miles_ray.sync.plan import Bucket, SyncPlan, TensorMeta, pack, plan_buckets, unpack
 
 __all__ = [
     "Bucket",

@@ -13,8 +13,8 @@ from collections.abc import Iterable
 
 import torch
 
+from miles_ray.sync.buckets import SyncPlan, unpack
 from miles_ray.sync.digest import named_tensors_checksum
-from miles_ray.sync.plan import SyncPlan, unpack
 
 
 def buckets_checksum(plan: SyncPlan, flats: Iterable[torch.Tensor]) -> str:

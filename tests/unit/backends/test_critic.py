@@ -5,6 +5,7 @@ import torch
 
 from miles_ray.backends import OptimizerConfig, TorchBackendConfig
 from miles_ray.backends.critic import TorchCriticBackend
+from miles_ray.backends.rl_step import critic_values, value_update
 from miles_ray.types import RolloutBatch, Sample
 
 from .test_torch_backend import process_group  # noqa: F401  (module-scoped gloo group of one)
@@ -26,17 +27,17 @@ def _params(critic):
 
 
 def test_values_start_at_zero_and_move_towards_the_returns(tiny_model_path):
-    critic = TorchCriticBackend(TorchBackendConfig(), OptimizerConfig(lr=1e-3), tiny_model_path, value_clip=None)
+    critic = TorchCriticBackend(TorchBackendConfig(), OptimizerConfig(lr=1e-3), tiny_model_path)
     batch = _batch()
-    values = critic.compute_values(batch)
+    values = critic_values(critic, batch)
     assert values.shape == batch.response_mask.shape and (values == 0).all()  # zero-initialised head
     returns = batch.rewards[:, None] * batch.response_mask  # Monte-Carlo return of a terminal reward, gamma 1
-    losses = [critic.train_step(batch, values, returns)["value_loss"] for _ in range(8)]
+    losses = [value_update(critic, batch, values, returns, value_clip=None)["value_loss"] for _ in range(8)]
     # at V = 0 the loss is 0.5 * mean(R^2) over trained tokens
     expected = 0.5 * float((returns**2 * batch.response_mask).sum() / batch.response_mask.sum())
     assert losses[0] == pytest.approx(expected, rel=1e-5)
     assert losses[-1] < 0.5 * losses[0]
-    after = critic.compute_values(batch)
+    after = critic_values(critic, batch)
     assert (after[batch.response_mask == 0] == 0).all()
     mask = batch.response_mask > 0
     assert ((after[mask] - returns[mask]) ** 2).mean() < ((values[mask] - returns[mask]) ** 2).mean()
@@ -44,13 +45,13 @@ def test_values_start_at_zero_and_move_towards_the_returns(tiny_model_path):
 
 def test_value_clip_limits_the_first_step(tiny_model_path):
     """With a tiny clip every token's clipped error is the larger one once values move: clipfrac > 0."""
-    critic = TorchCriticBackend(TorchBackendConfig(), OptimizerConfig(lr=1e-2), tiny_model_path, value_clip=1e-4)
+    critic = TorchCriticBackend(TorchBackendConfig(), OptimizerConfig(lr=1e-2), tiny_model_path)
     batch = _batch()
-    old = critic.compute_values(batch)
+    old = critic_values(critic, batch)
     returns = (batch.rewards[:, None] + 1.0) * batch.response_mask
-    first = critic.train_step(batch, old, returns)
+    first = value_update(critic, batch, old, returns, value_clip=1e-4)
     assert first["value_clipfrac"] == 0.0  # values == old_values on the first step: nothing clipped yet
-    second = critic.train_step(batch, old, returns)
+    second = value_update(critic, batch, old, returns, value_clip=1e-4)
     assert second["value_clipfrac"] > 0.0
 
 
@@ -61,10 +62,10 @@ def test_critic_micro_batching_does_not_change_the_update(tiny_model_path, paral
     returns = batch.rewards[:, None] * batch.response_mask
     for mbs in (8, 2):
         torch.manual_seed(0)
-        critic = TorchCriticBackend(TorchBackendConfig(parallel=parallel, micro_batch_size=mbs),
-                                    OptimizerConfig(lr=1e-3), tiny_model_path)  # fmt: skip
+        config = TorchBackendConfig(parallel=parallel, micro_batch_size=mbs)
+        critic = TorchCriticBackend(config, OptimizerConfig(lr=1e-3), tiny_model_path)
         before = _params(critic)
-        m = critic.train_step(batch, torch.zeros_like(returns), returns)
+        m = value_update(critic, batch, torch.zeros_like(returns), returns, value_clip=0.2)
         results.append((m["value_loss"], _params(critic) - before))
     assert results[0][0] == pytest.approx(results[1][0], rel=1e-5)
     torch.testing.assert_close(results[0][1], results[1][1], atol=1e-6, rtol=1e-4)
@@ -76,7 +77,7 @@ def test_head_lr_gives_the_value_head_its_own_learning_rate(tiny_model_path):
     assert [g["lr"] for g in groups] == [1e-5, 1e-2] and len(groups[1]["params"]) == 2  # head weight and bias
     batch = _batch()
     returns = batch.rewards[:, None] * batch.response_mask
-    critic.train_step(batch, torch.zeros_like(returns), returns)
+    value_update(critic, batch, torch.zeros_like(returns), returns, value_clip=0.2)
     head = critic.hf_model.value_head.weight
     head = (head.full_tensor() if hasattr(head, "full_tensor") else head).detach()
     assert float(head.abs().max()) == pytest.approx(1e-2, rel=1e-3)  # Adam's first step moves each weight by lr

@@ -3,14 +3,15 @@
 import pytest
 import torch
 
-from miles_ray.backends import OptimizerConfig, PPOClipLossConfig, TorchBackendConfig
+from miles_ray.backends import ObjectiveConfig, OptimizerConfig, TorchBackendConfig
 from miles_ray.backends.lora import LoRAConfig
 from miles_ray.backends.objectives import GRPOAdvantageConfig, KLConfig
+from miles_ray.backends.rl_step import RLStep, logprobs
 from miles_ray.backends.torch_backend import TorchBackend
-from miles_ray.engines.base import GenerateRequest, SamplingParams
 from miles_ray.engines.embedded import EmbeddedEngine, EmbeddedEngineConfig
+from miles_ray.engines.requests import GenerateRequest, SamplingParams
+from miles_ray.sync.buckets import unpack
 from miles_ray.sync.checksum import named_tensors_checksum
-from miles_ray.sync.plan import unpack
 from miles_ray.types import RolloutBatch, Sample
 
 from .test_torch_backend import _batch, process_group  # noqa: F401  (module-scoped gloo group of one)
@@ -20,9 +21,14 @@ ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "d
 
 def _lora_backend(path, parallel="fsdp2", lr=1e-2, checkpointing=False, **lora):
     torch.manual_seed(0)
-    cfg = TorchBackendConfig(parallel=parallel, gradient_checkpointing=checkpointing,
-                             lora=LoRAConfig(rank=4, alpha=8, **lora))  # fmt: skip
-    return TorchBackend(cfg, OptimizerConfig(lr=lr), PPOClipLossConfig(), path)
+    lora = LoRAConfig(rank=4, alpha=8, **lora)
+    cfg = TorchBackendConfig(parallel=parallel, gradient_checkpointing=checkpointing, lora=lora)
+    return TorchBackend(cfg, OptimizerConfig(lr=lr), path)
+
+
+def _train(backend, **objective) -> dict:
+    """One GRPO step of ``backend`` on the shared test batch."""
+    return RLStep(backend, ObjectiveConfig(**objective)).update(_batch(GRPOAdvantageConfig()))
 
 
 def _named(backend) -> dict[str, torch.Tensor]:
@@ -37,7 +43,7 @@ def test_only_adapters_train_and_only_adapters_sync(tiny_model_path, parallel, c
     before = _named(backend)
     trainable = {n for n, p in backend.hf_model.named_parameters() if p.requires_grad}
     assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
-    metrics = backend.train_step(_batch(GRPOAdvantageConfig()), temperature=1.0)
+    metrics = _train(backend)
     after = _named(backend)
     changed = {n for n in before if not torch.equal(before[n], after[n])}
     assert metrics["grad_norm"] > 0 and changed  # B starts at 0: the first step moves B only (A gets no grad)
@@ -58,7 +64,7 @@ def test_engine_with_synced_adapter_matches_the_trainer(tiny_model_path):
     """Trained adapter -> engine (unmerged LoRA): the engine's sampled-token logprobs equal the trainer's (fp32)."""
     backend = _lora_backend(tiny_model_path, target_modules=ALL_LINEAR)
     for _ in range(2):  # two steps: A and B both non-zero
-        backend.train_step(_batch(GRPOAdvantageConfig()), temperature=1.0)
+        _train(backend)
     plan = backend.sync_plan(torch.float32, 1 << 20)
     engine = EmbeddedEngine(EmbeddedEngineConfig(model_path=tiny_model_path, max_batch_size=8, max_seq_len=64))
     request = GenerateRequest(prompt_ids=[5, 17, 42, 99], params=SamplingParams(n=4, max_new_tokens=12, seed=3))
@@ -73,7 +79,7 @@ def test_engine_with_synced_adapter_matches_the_trainer(tiny_model_path):
 
     samples = [Sample(request.prompt_ids, c.token_ids, c.logprobs, reward=0.0) for c in out.completions]
     batch = RolloutBatch.from_samples(samples, pad_id=0)
-    trainer = backend.compute_logprobs(batch, temperature=1.0)
+    trainer = logprobs(backend, batch, 1.0)
     m = batch.response_mask > 0
     torch.testing.assert_close(batch.rollout_logprobs[m], trainer[m], atol=1e-4, rtol=1e-4)
     # the engine's checksum over the synced names equals the checksum of what the trainer sent
@@ -90,9 +96,9 @@ def test_merged_export_and_peft_adapter_equal_the_policy(tiny_model_path, tmp_pa
 
     backend = _lora_backend(tiny_model_path, target_modules=("q_proj", "v_proj", "down_proj"))
     for _ in range(2):
-        backend.train_step(_batch(GRPOAdvantageConfig()), temperature=1.0)
+        _train(backend)
     batch = _batch(GRPOAdvantageConfig())
-    policy = backend.compute_logprobs(batch, temperature=1.0)
+    policy = logprobs(backend, batch, 1.0)
     weights, adapters = backend.hf_state(torch.float32)
     assert all(".lora_" not in n and ".base_layer." not in n for n in weights)
     merged = AutoModelForCausalLM.from_pretrained(tiny_model_path).eval()
@@ -112,15 +118,14 @@ def test_kl_reference_is_the_base_with_adapters_off(tiny_model_path):
     """No second model: the reference is the policy with adapters off, equal to the untouched base model."""
     torch.manual_seed(0)
     cfg = TorchBackendConfig(lora=LoRAConfig(rank=4, alpha=8))
-    backend = TorchBackend(cfg, OptimizerConfig(lr=1e-2), PPOClipLossConfig(), tiny_model_path,
-                           kl=KLConfig(coef=0.5, estimator="k3"))  # fmt: skip
-    plain = TorchBackend(TorchBackendConfig(), OptimizerConfig(), PPOClipLossConfig(), tiny_model_path)
+    backend = TorchBackend(cfg, OptimizerConfig(lr=1e-2), tiny_model_path, reference=True)
+    plain = TorchBackend(TorchBackendConfig(), OptimizerConfig(), tiny_model_path)
     batch = _batch(GRPOAdvantageConfig())
-    base = plain.compute_logprobs(batch, 1.0)
-    metrics = [backend.train_step(_batch(GRPOAdvantageConfig()), temperature=1.0) for _ in range(2)]
+    base = logprobs(plain, batch, 1.0)
+    metrics = [_train(backend, kl=KLConfig(coef=0.5, estimator="k3")) for _ in range(2)]
     assert metrics[0]["ref_kl"] == pytest.approx(0.0, abs=1e-7) and metrics[1]["ref_kl"] > 0
-    torch.testing.assert_close(backend.reference_logprobs(batch, 1.0), base)
-    assert not torch.allclose(backend.compute_logprobs(batch, 1.0), base)  # adapters back on after the reference
+    torch.testing.assert_close(logprobs(backend.reference, batch, 1.0), base)
+    assert not torch.allclose(logprobs(backend, batch, 1.0), base)  # adapters back on after the reference
     assert all(p.requires_grad for n, p in backend.hf_model.named_parameters() if ".lora_" in n)
 
 
@@ -145,12 +150,12 @@ def test_lora_config_errors(tiny_model_path):
 def test_checkpoint_round_trip_restores_adapters_and_optimizer(tiny_model_path, tmp_path):
     """DCP save/load of a LoRA policy: a restored rank takes the same next step as the one that kept going."""
     backend = _lora_backend(tiny_model_path)
-    backend.train_step(_batch(GRPOAdvantageConfig()), temperature=1.0)
+    _train(backend)
     backend.save(str(tmp_path / "ckpt"))
     restored = _lora_backend(tiny_model_path)
     restored.load(str(tmp_path / "ckpt"))
     assert all(torch.equal(a, b) for a, b in zip(_named(backend).values(), _named(restored).values()))
     for b in (backend, restored):
-        b.train_step(_batch(GRPOAdvantageConfig()), temperature=1.0)
+        _train(b)
     after, after_restored = _named(backend), _named(restored)
     torch.testing.assert_close(after, after_restored)  # Adam moments came back too: same second step

@@ -9,9 +9,10 @@ import torch
 pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.megatron
 
-from miles_ray.backends import OptimizerConfig, PPOClipLossConfig, TorchBackendConfig  # noqa: E402
+from miles_ray.backends import ObjectiveConfig, OptimizerConfig, TorchBackendConfig  # noqa: E402
 from miles_ray.backends.megatron_backend import MegatronBackend, MegatronBackendConfig  # noqa: E402
 from miles_ray.backends.objectives import GRPOAdvantageConfig  # noqa: E402
+from miles_ray.backends.rl_step import RLStep, logprobs  # noqa: E402
 from miles_ray.backends.torch_backend import TorchBackend  # noqa: E402
 
 from .test_torch_backend import _batch, process_group  # noqa: E402, F401  (module-scoped gloo group of one)
@@ -26,9 +27,9 @@ def model_parallel(process_group):  # noqa: F811
 
 
 def _backends(path, lr=1e-2):
-    optim, loss = OptimizerConfig(lr=lr), PPOClipLossConfig()
-    megatron = MegatronBackend(MegatronBackendConfig(micro_batch_size=3), optim, loss, path)
-    torch_ = TorchBackend(TorchBackendConfig(parallel="ddp", micro_batch_size=3), optim, loss, path)
+    optim = OptimizerConfig(lr=lr)
+    megatron = MegatronBackend(MegatronBackendConfig(micro_batch_size=3), optim, path)
+    torch_ = TorchBackend(TorchBackendConfig(parallel="ddp", micro_batch_size=3), optim, path)
     return megatron, torch_
 
 
@@ -36,13 +37,13 @@ def test_same_logprobs_and_same_step_as_the_torch_backend(tiny_model_path, hf):
     megatron, torch_ = _backends(tiny_model_path)
     batch = _batch(GRPOAdvantageConfig())
     m = batch.response_mask > 0
-    lp = megatron.compute_logprobs(batch, temperature=1.0)
-    torch.testing.assert_close(lp[m], torch_.compute_logprobs(batch, temperature=1.0)[m], atol=1e-5, rtol=1e-5)
-    a, b = megatron.train_step(batch, temperature=1.0), torch_.train_step(batch, temperature=1.0)
+    lp = logprobs(megatron, batch, temperature=1.0)
+    torch.testing.assert_close(lp[m], logprobs(torch_, batch, temperature=1.0)[m], atol=1e-5, rtol=1e-5)
+    a, b = RLStep(megatron, ObjectiveConfig()).update(batch), RLStep(torch_, ObjectiveConfig()).update(batch)
     for key in ("loss", "grad_norm", "entropy", "num_tokens", "train_rollout_logprob_abs_diff_mean"):
         assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
-    after = megatron.compute_logprobs(batch, temperature=1.0)
-    torch.testing.assert_close(after[m], torch_.compute_logprobs(batch, temperature=1.0)[m], atol=1e-4, rtol=1e-4)
+    after = logprobs(megatron, batch, temperature=1.0)
+    torch.testing.assert_close(after[m], logprobs(torch_, batch, temperature=1.0)[m], atol=1e-4, rtol=1e-4)
     assert (after[m] - lp[m]).abs().max() > 1e-3  # the weights moved
     # what a sync sends: HF names and shapes, the trained weights
     full, _ = megatron.hf_state(torch.float32)
@@ -60,8 +61,9 @@ def test_config_errors_name_the_field(tiny_model_path):
     with pytest.raises(ValueError, match="transformer_args may not set \\['hidden_size'\\]"):
         MegatronBackendConfig(transformer_args={"hidden_size": 8})
     with pytest.raises(ValueError, match="'no_such_field'\\] are not megatron TransformerConfig fields"):
-        MegatronBackend(MegatronBackendConfig(transformer_args={"no_such_field": 1}), OptimizerConfig(),
-                        PPOClipLossConfig(), tiny_model_path)  # fmt: skip
+        MegatronBackend(
+            MegatronBackendConfig(transformer_args={"no_such_field": 1}), OptimizerConfig(), tiny_model_path
+        )
 
 
 def test_cpu_shim_maps_only_what_megatron_needs():

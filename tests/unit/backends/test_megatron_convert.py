@@ -8,17 +8,24 @@ from miles_ray.backends.megatron_convert import GPTShape, hf_to_megatron, megatr
 
 def _random_hf(shape: GPTShape, hidden=32, inter=48, vocab=64, untied=False) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
-    hf = {"model.embed_tokens.weight": torch.randn(vocab, hidden, generator=g),
-          "model.norm.weight": torch.randn(hidden, generator=g)}  # fmt: skip
+    hf = {
+        "model.embed_tokens.weight": torch.randn(vocab, hidden, generator=g),
+        "model.norm.weight": torch.randn(hidden, generator=g),
+    }
     if untied:
         hf["lm_head.weight"] = torch.randn(vocab, hidden, generator=g)
     q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
     for i in range(shape.num_layers):
         p = f"model.layers.{i}."
-        for name, rows, cols in (("self_attn.q_proj", q, hidden), ("self_attn.k_proj", kv, hidden),
-                                 ("self_attn.v_proj", kv, hidden), ("self_attn.o_proj", hidden, q),
-                                 ("mlp.gate_proj", inter, hidden), ("mlp.up_proj", inter, hidden),
-                                 ("mlp.down_proj", hidden, inter)):  # fmt: skip
+        for name, rows, cols in (
+            ("self_attn.q_proj", q, hidden),
+            ("self_attn.k_proj", kv, hidden),
+            ("self_attn.v_proj", kv, hidden),
+            ("self_attn.o_proj", hidden, q),
+            ("mlp.gate_proj", inter, hidden),
+            ("mlp.up_proj", inter, hidden),
+            ("mlp.down_proj", hidden, inter),
+        ):
             hf[p + name + ".weight"] = torch.randn(rows, cols, generator=g)
         if shape.qkv_bias:
             for name, rows in (("q", q), ("k", kv), ("v", kv)):
@@ -32,8 +39,14 @@ def _random_hf(shape: GPTShape, hidden=32, inter=48, vocab=64, untied=False) -> 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_round_trip_is_bit_exact(tp, arch):
     """Qwen2 (q/k/v biases, untied head) and Llama (GQA, tied head), each split over 1 and 2 TP ranks."""
-    shape = GPTShape(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, tie_word_embeddings=arch == "llama",
-                     qkv_bias=arch == "qwen2")  # fmt: skip
+    shape = GPTShape(
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        tie_word_embeddings=arch == "llama",
+        qkv_bias=arch == "qwen2",
+    )
     hf = _random_hf(shape, untied=arch == "qwen2")
     shards = [hf_to_megatron(hf, shape, tp, r) for r in range(tp)]
     assert set(shards[0]) == set(shards[-1])
@@ -55,8 +68,10 @@ def test_megatron_layouts_per_rank():
     fc1 = shard["decoder.layers.0.mlp.linear_fc1.weight"]
     gate, up = hf["model.layers.0.mlp.gate_proj.weight"], hf["model.layers.0.mlp.up_proj.weight"]
     assert torch.equal(fc1, torch.cat([gate[24:], up[24:]]))
-    assert torch.equal(shard["decoder.layers.0.self_attention.linear_proj.weight"],
-                       hf["model.layers.0.self_attn.o_proj.weight"][:, 16:])  # fmt: skip
+    assert torch.equal(
+        shard["decoder.layers.0.self_attention.linear_proj.weight"],
+        hf["model.layers.0.self_attn.o_proj.weight"][:, 16:],
+    )
 
 
 def test_errors_name_the_cause():

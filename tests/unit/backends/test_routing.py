@@ -3,12 +3,13 @@
 import pytest
 import torch
 
-from miles_ray.backends import OptimizerConfig, PPOClipLossConfig, TorchBackendConfig
-from miles_ray.backends.base import policy_only
+from miles_ray.backends import ObjectiveConfig, OptimizerConfig, TorchBackendConfig
 from miles_ray.backends.objectives import GRPOAdvantageConfig, compute_advantages
+from miles_ray.backends.rl_step import RLStep, logprobs
 from miles_ray.backends.torch_backend import TorchBackend
-from miles_ray.engines.base import GenerateRequest, SamplingParams
+from miles_ray.backends.torch_parallel import policy_only
 from miles_ray.engines.embedded import EmbeddedEngine, EmbeddedEngineConfig
+from miles_ray.engines.requests import GenerateRequest, SamplingParams
 from miles_ray.types import RolloutBatch, Sample
 
 from .test_torch_backend import process_group  # noqa: F401  (module-scoped gloo group of one)
@@ -22,14 +23,16 @@ def rollout(tiny_moe_path):
     engine = EmbeddedEngine(EmbeddedEngineConfig(model_path=tiny_moe_path, max_batch_size=8, max_seq_len=64))
     request = GenerateRequest(prompt_ids=PROMPT, params=SamplingParams(n=4, max_new_tokens=10, seed=1))
     [out] = engine.generate([request])
-    samples = [Sample(PROMPT, c.token_ids, c.logprobs, reward=float(i % 2), routes=c.routes)
-               for i, c in enumerate(out.completions)]  # fmt: skip
+    samples = [
+        Sample(PROMPT, c.token_ids, c.logprobs, reward=float(i % 2), routes=c.routes)
+        for i, c in enumerate(out.completions)
+    ]
     return out, samples
 
 
 def _backend(path, replay: bool, checkpointing=False, lr=1e-2) -> TorchBackend:
     cfg = TorchBackendConfig(routing_replay=replay, gradient_checkpointing=checkpointing, micro_batch_size=2)
-    return TorchBackend(cfg, OptimizerConfig(lr=lr), PPOClipLossConfig(), path)
+    return TorchBackend(cfg, OptimizerConfig(lr=lr), path)
 
 
 def _capture(backend):
@@ -61,17 +64,18 @@ def test_replayed_routes_are_exactly_the_recorded_ones(tiny_moe_path, rollout):
     backend = _backend(tiny_moe_path, replay=True)
     used = _capture(backend)
     batch = RolloutBatch.from_samples(samples, pad_id=0)
-    lp = backend.compute_logprobs(batch, temperature=1.0)
+    lp = logprobs(backend, batch, temperature=1.0)
     m = batch.response_mask > 0
     torch.testing.assert_close(lp[m], batch.rollout_logprobs[m], atol=1e-4, rtol=1e-4)
     assert backend.routes.take_mismatch()[0] == 0  # fp32: its own routers agree with the engine's everywhere
 
     # other experts than the engine chose (each shifted by 3): what the trainer's routers would not pick
-    forced = [Sample(s.prompt_ids, s.response_ids, s.rollout_logprobs, routes=(s.routes.long() + 3) % 8)
-              for s in samples]  # fmt: skip
+    forced = [
+        Sample(s.prompt_ids, s.response_ids, s.rollout_logprobs, routes=(s.routes.long() + 3) % 8) for s in samples
+    ]
     fbatch = RolloutBatch.from_samples(forced, pad_id=0)
     used.clear()
-    shifted = backend.compute_logprobs(fbatch, temperature=1.0)
+    shifted = logprobs(backend, fbatch, temperature=1.0)
     assert not torch.allclose(shifted[m], lp[m], atol=1e-3)  # the experts really changed the output
     num_layers = len(backend.routes.routers)
     for mb in range(2):  # micro-batches of 2 samples: one forward each, layers in order
@@ -87,11 +91,12 @@ def test_replayed_routes_are_exactly_the_recorded_ones(tiny_moe_path, rollout):
 def test_without_replay_the_trainer_routes_itself_and_counts_the_mismatch(tiny_moe_path, rollout):
     _, samples = rollout
     backend = _backend(tiny_moe_path, replay=False)
-    forced = [Sample(s.prompt_ids, s.response_ids, s.rollout_logprobs, routes=(s.routes.long() + 3) % 8)
-              for s in samples]  # fmt: skip
-    own = backend.compute_logprobs(RolloutBatch.from_samples(samples, pad_id=0), temperature=1.0)
+    forced = [
+        Sample(s.prompt_ids, s.response_ids, s.rollout_logprobs, routes=(s.routes.long() + 3) % 8) for s in samples
+    ]
+    own = logprobs(backend, RolloutBatch.from_samples(samples, pad_id=0), temperature=1.0)
     assert backend.routes.take_mismatch()[0] == 0  # fp32: the trainer routes as the engine did
-    ignored = backend.compute_logprobs(RolloutBatch.from_samples(forced, pad_id=0), temperature=1.0)
+    ignored = logprobs(backend, RolloutBatch.from_samples(forced, pad_id=0), temperature=1.0)
     assert torch.equal(own, ignored)  # routes only observed
     differ, recorded = backend.routes.take_mismatch()
     assert recorded > 0 and differ > 0.9 * recorded
@@ -106,7 +111,7 @@ def test_train_step_with_replay_trains_the_router(tiny_moe_path, rollout, checkp
     batch.advantages = compute_advantages(GRPOAdvantageConfig(), batch.rewards, torch.zeros(4), batch.response_mask)
     router = backend.routes.routers[0].weight
     before = (router.full_tensor() if hasattr(router, "full_tensor") else router).detach().clone()
-    metrics = backend.train_step(batch, temperature=1.0)
+    metrics = RLStep(backend, ObjectiveConfig()).update(batch)
     after = router.full_tensor() if hasattr(router, "full_tensor") else router
     assert metrics["moe_route_mismatch_frac"] == 0.0 and metrics["train_rollout_logprob_abs_diff_max"] < 1e-4
     assert not torch.equal(before, after.detach())
@@ -119,10 +124,10 @@ def test_replay_errors_name_the_cause(tiny_model_path, tiny_moe_path, rollout):
     _, samples = rollout
     bare = [Sample(s.prompt_ids, s.response_ids, s.rollout_logprobs) for s in samples]
     with pytest.raises(ValueError, match="routing_replay is on but the batch carries no routes"):
-        backend.compute_logprobs(RolloutBatch.from_samples(bare, pad_id=0), temperature=1.0)
+        logprobs(backend, RolloutBatch.from_samples(bare, pad_id=0), temperature=1.0)
     wrong = [Sample(s.prompt_ids, s.response_ids, s.rollout_logprobs, routes=s.routes[:, :1]) for s in samples]
     with pytest.raises(ValueError, match="the model has 2 MoE layers with top_k=2"):
-        backend.compute_logprobs(RolloutBatch.from_samples(wrong, pad_id=0), temperature=1.0)
+        logprobs(backend, RolloutBatch.from_samples(wrong, pad_id=0), temperature=1.0)
     with pytest.raises(ValueError, match="routes must be"):
         Sample([1, 2], [3], [0.0], routes=torch.zeros(5, 2, 2))
     with pytest.raises(ValueError, match="critic.backend.routing_replay must be False"):

@@ -1,4 +1,4 @@
-"""The torch backend in-process (world size 1, gloo): objective selection and micro-batch invariance."""
+"""The torch backend under the RL step, in-process (world size 1, gloo): objectives, micro-batch invariance."""
 
 import socket
 
@@ -10,10 +10,12 @@ from miles_ray.backends import OptimizerConfig, TorchBackendConfig, compute_adva
 from miles_ray.backends.objectives import (
     GRPOAdvantageConfig,
     GSPOLossConfig,
+    ObjectiveConfig,
     PPOClipLossConfig,
     ReinforcePPAdvantageConfig,
     RLOOAdvantageConfig,
 )
+from miles_ray.backends.rl_step import RLStep, logprobs
 from miles_ray.backends.torch_backend import TorchBackend
 from miles_ray.types import RolloutBatch, Sample
 
@@ -42,23 +44,29 @@ def _batch(advantage_cfg) -> RolloutBatch:
     return batch
 
 
+def _step(backend, loss=None, **objective) -> RLStep:
+    """The RL step over ``backend`` with ``loss`` (PPO-clip by default) and more objective fields."""
+    return RLStep(backend, ObjectiveConfig(loss=loss or PPOClipLossConfig(), **objective))
+
+
 def _params(backend):
     full = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in backend.hf_model.parameters()]  # FSDP2
     return torch.cat([p.detach().reshape(-1) for p in full])
 
 
 @pytest.mark.parametrize("parallel", ["fsdp2", "ddp"])
-@pytest.mark.parametrize("loss", [PPOClipLossConfig(), PPOClipLossConfig(aggregation="seq_mean_token_sum"),
-                                  GSPOLossConfig()])  # fmt: skip
+@pytest.mark.parametrize(
+    "loss", [PPOClipLossConfig(), PPOClipLossConfig(aggregation="seq_mean_token_sum"), GSPOLossConfig()]
+)
 def test_micro_batching_does_not_change_the_update(tiny_model_path, parallel, loss):
     """Same seed, same data: 1 micro-batch of 8 and 4 micro-batches of 2 give the same loss and weights."""
     results = []
     for mbs in (8, 2):
         torch.manual_seed(0)
-        backend = TorchBackend(TorchBackendConfig(parallel=parallel, micro_batch_size=mbs),
-                               OptimizerConfig(lr=1e-3), loss, tiny_model_path)  # fmt: skip
+        config = TorchBackendConfig(parallel=parallel, micro_batch_size=mbs)
+        backend = TorchBackend(config, OptimizerConfig(lr=1e-3), tiny_model_path)
         before = _params(backend)
-        metrics = backend.train_step(_batch(GRPOAdvantageConfig()), temperature=1.0)
+        metrics = _step(backend, loss).update(_batch(GRPOAdvantageConfig()))
         results.append((metrics, _params(backend) - before))
     (m1, d1), (m2, d2) = results
     assert m1["grad_norm"] > 0 and d1.abs().max() > 0
@@ -72,8 +80,8 @@ def test_micro_batching_does_not_change_the_update(tiny_model_path, parallel, lo
     "advantage", [GRPOAdvantageConfig(normalize_std=False), RLOOAdvantageConfig(), ReinforcePPAdvantageConfig()]
 )
 def test_every_advantage_estimator_trains(tiny_model_path, advantage):
-    backend = TorchBackend(TorchBackendConfig(), OptimizerConfig(lr=1e-3), PPOClipLossConfig(), tiny_model_path)
-    metrics = backend.train_step(_batch(advantage), temperature=1.0)
+    backend = TorchBackend(TorchBackendConfig(), OptimizerConfig(lr=1e-3), tiny_model_path)
+    metrics = _step(backend).update(_batch(advantage))
     assert metrics["grad_norm"] > 0 and torch.isfinite(torch.tensor(metrics["loss"]))
     assert "clipfrac" in metrics and metrics["num_tokens"] == float(_batch(advantage).response_mask.sum())
 
@@ -81,9 +89,9 @@ def test_every_advantage_estimator_trains(tiny_model_path, advantage):
 def test_logprobs_match_a_plain_hf_forward(tiny_model_path):
     from transformers import AutoModelForCausalLM
 
-    backend = TorchBackend(TorchBackendConfig(parallel="ddp"), OptimizerConfig(), PPOClipLossConfig(), tiny_model_path)
+    backend = TorchBackend(TorchBackendConfig(parallel="ddp"), OptimizerConfig(), tiny_model_path)
     batch = _batch(GRPOAdvantageConfig())
-    ours = backend.compute_logprobs(batch, temperature=0.7)
+    ours = logprobs(backend, batch, temperature=0.7)
     hf = AutoModelForCausalLM.from_pretrained(tiny_model_path).eval()
     with torch.no_grad():
         logits = hf(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1] / 0.7
@@ -94,16 +102,15 @@ def test_logprobs_match_a_plain_hf_forward(tiny_model_path):
 
 def test_autocast_auto_follows_native_bf16(tiny_model_path):
     """'auto' is bf16 autocast exactly where the CPU computes bf16 natively; 'bfloat16' always is (logprobs move)."""
-    from miles_ray.backends.torch_rank import native_bf16
+    from miles_ray.backends.torch_parallel import native_bf16
 
     caps = torch.cpu.get_capabilities()
     assert native_bf16(torch.device("cpu")) == bool(caps["avx512_bf16"] or caps["amx_bf16"])
     batch = _batch(GRPOAdvantageConfig())
     out = {}
     for mode in ("none", "bfloat16", "auto"):
-        backend = TorchBackend(TorchBackendConfig(parallel="ddp", autocast=mode), OptimizerConfig(),
-                               PPOClipLossConfig(), tiny_model_path)  # fmt: skip
-        out[mode] = (backend.autocast, backend.compute_logprobs(batch, temperature=1.0))
+        backend = TorchBackend(TorchBackendConfig(parallel="ddp", autocast=mode), OptimizerConfig(), tiny_model_path)
+        out[mode] = (backend.autocast, logprobs(backend, batch, temperature=1.0))
     assert out["none"][0] is False and out["bfloat16"][0] is True
     assert out["auto"][0] is native_bf16(torch.device("cpu"))
     m = batch.response_mask > 0
@@ -117,27 +124,25 @@ def test_tis_weights_and_entropy_bonus_change_the_update(tiny_model_path):
     """TIS reweights tokens by min(exp(train - rollout), cap); the entropy bonus adds its own gradient."""
     from miles_ray.backends.objectives import MismatchCorrectionConfig
 
-    def update(**kwargs):
+    def update(**objective):
         torch.manual_seed(0)
-        backend = TorchBackend(TorchBackendConfig(), OptimizerConfig(lr=1e-3), PPOClipLossConfig(), tiny_model_path,
-                               **kwargs)  # fmt: skip
+        backend = TorchBackend(TorchBackendConfig(), OptimizerConfig(lr=1e-3), tiny_model_path)
         before = _params(backend)
-        metrics = backend.train_step(_batch(GRPOAdvantageConfig()), temperature=1.0)
+        metrics = _step(backend, **objective).update(_batch(GRPOAdvantageConfig()))
         return metrics, _params(backend) - before
 
     base_m, base = update()
     # rollout logprobs are -20, far below the random model's ~-10.8: every ratio exceeds the cap of 2
-    tis_m, tis = update(correction=MismatchCorrectionConfig(kind="tis", cap=2.0))
+    tis_m, tis = update(mismatch_correction=MismatchCorrectionConfig(kind="tis", cap=2.0))
     assert tis_m["is_weight_clipped_frac"] == 1.0 and base_m["is_weight_clipped_frac"] == 0.0
     assert tis_m["loss"] == pytest.approx(2.0 * base_m["loss"], rel=1e-5)  # every token weighted by the cap
-    mis_m, mis = update(correction=MismatchCorrectionConfig(kind="mis", cap=2.0))
+    mis_m, mis = update(mismatch_correction=MismatchCorrectionConfig(kind="mis", cap=2.0))
     assert mis_m["loss"] == 0.0 and mis.abs().max() == 0  # every token dropped: no update at all
     ent_m, ent = update(entropy_coef=0.1)
     assert ent_m["entropy"] == pytest.approx(base_m["entropy"]) and ent_m["entropy"] > 0
     assert not torch.allclose(ent, base)
-    with pytest.raises(ValueError, match="sequence ratio"):
-        TorchBackend(TorchBackendConfig(), OptimizerConfig(), GSPOLossConfig(), tiny_model_path,
-                     correction=MismatchCorrectionConfig())  # fmt: skip
+    with pytest.raises(ValueError, match="mismatch_correction needs loss.kind='ppo_clip'"):
+        ObjectiveConfig(loss=GSPOLossConfig(), mismatch_correction=MismatchCorrectionConfig())
 
 
 def test_custom_loss_extension_point(tiny_model_path):
@@ -146,9 +151,9 @@ def test_custom_loss_extension_point(tiny_model_path):
 
     def update(loss_config):
         torch.manual_seed(0)
-        backend = TorchBackend(TorchBackendConfig(), OptimizerConfig(lr=1e-3), loss_config, tiny_model_path)
+        backend = TorchBackend(TorchBackendConfig(), OptimizerConfig(lr=1e-3), tiny_model_path)
         before = _params(backend)
-        metrics = backend.train_step(_batch(GRPOAdvantageConfig()), temperature=1.0)
+        metrics = _step(backend, loss_config).update(_batch(GRPOAdvantageConfig()))
         return metrics, _params(backend) - before
 
     builtin_m, builtin = update(PPOClipLossConfig(clip_high=0.28))
@@ -170,47 +175,49 @@ def test_kl_to_reference_as_loss(tiny_model_path, parallel):
 
     def two_steps(kl):
         torch.manual_seed(0)
-        backend = TorchBackend(TorchBackendConfig(parallel=parallel), OptimizerConfig(lr=1e-2), PPOClipLossConfig(),
-                               tiny_model_path, kl=kl)  # fmt: skip
+        config = TorchBackendConfig(parallel=parallel)
+        backend = TorchBackend(config, OptimizerConfig(lr=1e-2), tiny_model_path, reference=kl is not None)
+        step = _step(backend, kl=kl)
         updates, metrics = [], []
         for _ in range(2):
             before = _params(backend)
-            metrics.append(backend.train_step(_batch(GRPOAdvantageConfig()), temperature=1.0))
+            metrics.append(step.update(_batch(GRPOAdvantageConfig())))
             updates.append(_params(backend) - before)
-        return backend, updates, metrics
+        return step, updates, metrics
 
     _, plain, _ = two_steps(None)
-    backend, with_kl, m = two_steps(KLConfig(coef=1.0, estimator="k3"))
+    step, with_kl, m = two_steps(KLConfig(coef=1.0, estimator="k3"))
+    backend = step.backend
     assert m[0]["ref_kl"] == pytest.approx(0.0, abs=1e-7) and m[1]["ref_kl"] > 0
     torch.testing.assert_close(with_kl[0], plain[0])
     assert not torch.allclose(with_kl[1], plain[1])
     batch = _batch(GRPOAdvantageConfig())
-    tok = backend.token_kl(batch, temperature=1.0)  # policy moved, reference did not
+    tok = step.token_kl(batch)  # policy moved, reference did not
     assert tok.shape == batch.response_mask.shape and tok.abs().sum() > 0
     assert (tok[batch.response_mask == 0] == 0).all()
-    ref = backend.reference_logprobs(batch, 1.0)
-    assert not torch.allclose(ref, backend.compute_logprobs(batch, 1.0))
+    ref = logprobs(backend.reference, batch, 1.0)
+    assert not torch.allclose(ref, logprobs(backend, batch, 1.0))
 
 
 def test_reference_logprobs_passed_in_equal_the_on_rank_reference(tiny_model_path):
-    """A ReferenceGroup's logprobs (here a frozen PolicyRank) give the same KL updates as the on-rank copy."""
+    """A ReferenceGroup's logprobs (here a frozen PolicyModel) give the same KL updates as the on-rank copy."""
     from miles_ray.backends.objectives import KLConfig
-    from miles_ray.backends.torch_backend import PolicyRank
+    from miles_ray.backends.torch_backend import PolicyModel
 
     cfg, kl = TorchBackendConfig(micro_batch_size=4), KLConfig(coef=1.0, estimator="k3")
-    frozen = PolicyRank(cfg, None, tiny_model_path)
+    frozen = PolicyModel(cfg, None, tiny_model_path)
     assert all(not p.requires_grad for p in frozen.hf_model.parameters()) and frozen.optimizer is None
     runs = []
     for local in (True, False):
         torch.manual_seed(0)
-        backend = TorchBackend(cfg, OptimizerConfig(lr=1e-2), PPOClipLossConfig(), tiny_model_path, kl=kl,
-                               local_reference=local)  # fmt: skip
+        backend = TorchBackend(cfg, OptimizerConfig(lr=1e-2), tiny_model_path, reference=local)
+        step = _step(backend, kl=kl)
         assert (backend.reference is not None) == local
         out = []
         for _ in range(2):
             batch = _batch(GRPOAdvantageConfig())
-            ref = None if local else frozen.compute_logprobs(batch, 1.0)
-            out.append(backend.train_step(batch, temperature=1.0, ref_logprobs=ref)["ref_kl"])
+            ref = None if local else logprobs(frozen, batch, 1.0)
+            out.append(step.update(batch, ref_logprobs=ref)["ref_kl"])
         out.append(_params(backend))
         runs.append(out)
     assert runs[0][1] > 0 and runs[0][1] == pytest.approx(runs[1][1], rel=1e-6)

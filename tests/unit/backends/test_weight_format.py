@@ -9,14 +9,15 @@ weights while its checksum still covers the bytes the trainer sent.
 import pytest
 import torch
 
-from miles_ray.backends import OptimizerConfig, PPOClipLossConfig, TorchBackendConfig
+from miles_ray.backends import ObjectiveConfig, OptimizerConfig, TorchBackendConfig
 from miles_ray.backends.objectives import GRPOAdvantageConfig
+from miles_ray.backends.rl_step import RLStep, logprobs
 from miles_ray.backends.torch_backend import TorchBackend
-from miles_ray.engines.base import GenerateRequest, SamplingParams
 from miles_ray.engines.embedded import EmbeddedEngine, EmbeddedEngineConfig
+from miles_ray.engines.requests import GenerateRequest, SamplingParams
 from miles_ray.models.quant import RoundedLinear, WeightFormatConfig, quant_dequant
+from miles_ray.sync.buckets import unpack
 from miles_ray.sync.checksum import named_tensors_checksum
-from miles_ray.sync.plan import unpack
 from miles_ray.types import RolloutBatch, Sample
 
 from .test_torch_backend import _batch, process_group  # noqa: F401  (module-scoped gloo group of one)
@@ -31,7 +32,7 @@ def _rollout(engine, seed=3) -> RolloutBatch:
 
 
 def _max_diff(backend, batch) -> float:
-    trainer = backend.compute_logprobs(batch, temperature=1.0)
+    trainer = logprobs(backend, batch, temperature=1.0)
     m = batch.response_mask > 0
     return float((trainer[m] - batch.rollout_logprobs[m]).abs().max())
 
@@ -45,9 +46,8 @@ def test_trainer_view_matches_engine_and_plain_trainer_does_not(tiny_model_path,
     )
     batch = _rollout(engine)
     torch.manual_seed(0)
-    view = TorchBackend(TorchBackendConfig(weight_format=recipe), OptimizerConfig(lr=1e-3), PPOClipLossConfig(),
-                        tiny_model_path)  # fmt: skip
-    plain = TorchBackend(TorchBackendConfig(), OptimizerConfig(), PPOClipLossConfig(), tiny_model_path)
+    view = TorchBackend(TorchBackendConfig(weight_format=recipe), OptimizerConfig(lr=1e-3), tiny_model_path)
+    plain = TorchBackend(TorchBackendConfig(), OptimizerConfig(), tiny_model_path)
     view_diff, plain_diff = _max_diff(view, batch), _max_diff(plain, batch)
     assert view_diff < 1e-4  # the same rounding on both sides: fp32 noise only
     assert plain_diff > 10 * view_diff  # the rounding itself is what a plain trainer would miss
@@ -57,7 +57,7 @@ def test_trainer_view_matches_engine_and_plain_trainer_does_not(tiny_model_path,
         return view.hf_model.model.layers[0].self_attn.q_proj.weight.full_tensor().detach().clone()
 
     before = q_proj()
-    metrics = view.train_step(_batch(GRPOAdvantageConfig()), temperature=1.0)
+    metrics = RLStep(view, ObjectiveConfig()).update(_batch(GRPOAdvantageConfig()))
     q = q_proj()
     assert metrics["grad_norm"] > 0 and not torch.equal(before, q)
     # the sync sends the full-precision weights; the engine rounds them and still hashes what it was sent

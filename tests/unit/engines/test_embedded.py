@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from miles_ray.engines.base import GenerateRequest, SamplingParams
 from miles_ray.engines.embedded import EmbeddedEngine, EmbeddedEngineConfig
+from miles_ray.engines.requests import GenerateRequest, SamplingParams
 
 
 @pytest.fixture(scope="module")

@@ -29,8 +29,13 @@ def test_cpu_command_and_environment_apply_the_shim_and_gpu_ones_do_not():
     cpu, gpu = _server(cfg, "cpu"), _server(cfg, "cuda")
     cmd = cpu.command()
     assert cmd[:5] == ["/py", "-m", "sglang.launch_server", "--model-path", "/m"]
-    for flag, value in [("--port", "1234"), ("--tp-size", "2"), ("--device", "cpu"), ("--max-total-tokens", "4096"),
-                        ("--attention-backend", "torch_native")]:  # fmt: skip
+    for flag, value in [
+        ("--port", "1234"),
+        ("--tp-size", "2"),
+        ("--device", "cpu"),
+        ("--max-total-tokens", "4096"),
+        ("--attention-backend", "torch_native"),
+    ]:
         assert cmd[cmd.index(flag) + 1] == value
     assert cmd[cmd.index("--chunked-prefill-size") + 1] == "64" and "--disable-cuda-graph" in cmd
     assert "--enable-lora" not in cmd
@@ -58,8 +63,9 @@ def test_shim_supplies_sgl_kernel_only_when_missing():
         "import sgl_kernel\n"
         "try:\n    sgl_kernel.rmsnorm_cpu(1)\nexcept NotImplementedError as e:\n    print('raised', e)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], env={"PYTHONPATH": str(SITE_DIR)}, capture_output=True,
-                         text=True, timeout=120)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", code], env={"PYTHONPATH": str(SITE_DIR)}, capture_output=True, text=True, timeout=120
+    )
     assert "raised sgl_kernel.rmsnorm_cpu was called" in out.stdout, out.stderr
 
 
@@ -92,8 +98,9 @@ def test_shim_drops_pinned_memory_only_without_an_accelerator():
         "t = torch.tensor([1, 2], pin_memory=True)\n"
         "print('after', t.tolist(), torch.empty(3, pin_memory=True).shape[0], t.pin_memory().tolist())\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], env={"PYTHONPATH": str(SITE_DIR)}, capture_output=True,
-                         text=True, timeout=120)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", code], env={"PYTHONPATH": str(SITE_DIR)}, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr
     if torch.accelerator.is_available():  # pinning works there, and the shim leaves torch alone
         assert "refused before" not in out.stdout

@@ -21,9 +21,14 @@ def test_command_line_carries_the_settings_and_passthrough_flags():
     server.config, server.model_name, server.port = cfg, "policy", 1234
     cmd = server.command()
     assert cmd[:4] == ["/py", "-m", "vllm.entrypoints.openai.api_server", "--model"]
-    for flag, value in [("--port", "1234"), ("--dtype", "bfloat16"), ("--max-model-len", "512"),
-                        ("--logprobs-mode", "processed_logprobs"), ("--max-num-seqs", "64"),
-                        ("--worker-extension-cls", "miles_ray_vllm_ext.WeightLoader")]:  # fmt: skip
+    for flag, value in [
+        ("--port", "1234"),
+        ("--dtype", "bfloat16"),
+        ("--max-model-len", "512"),
+        ("--logprobs-mode", "processed_logprobs"),
+        ("--max-num-seqs", "64"),
+        ("--worker-extension-cls", "miles_ray_vllm_ext.WeightLoader"),
+    ]:
         assert cmd[cmd.index(flag) + 1] == value
     assert "--enforce-eager" in cmd and "--disable-log-stats" not in cmd and "--enable-prefix-caching" in cmd
 

@@ -14,8 +14,11 @@ def test_prefill_decode_and_routes_match_hf(tiny_moe_path):
     model = build_engine_model(tiny_moe_path)
     assert {n for n, _ in model.named_parameters()} == {n for n, _ in hf.named_parameters()}  # sync names
     seen = []  # HF router choices, layer by layer
-    hooks = [m.register_forward_hook(lambda _m, _a, out: seen.append(out[2])) for m in hf.modules()
-             if type(m).__name__ == "MixtralTopKRouter"]  # fmt: skip
+    hooks = [
+        m.register_forward_hook(lambda _m, _a, out: seen.append(out[2]))
+        for m in hf.modules()
+        if type(m).__name__ == "MixtralTopKRouter"
+    ]
     torch.manual_seed(0)
     prompt = torch.randint(0, 1000, (7,))
     cache = model.new_cache(num_slots=1, slot_len=16)
@@ -43,8 +46,11 @@ def test_checkpoint_experts_fuse_and_incomplete_ones_are_named():
         for w, shape in (("w1", (i, h)), ("w3", (i, h)), ("w2", (h, i))):
             state[f"model.layers.0.block_sparse_moe.experts.{k}.{w}.weight"] = torch.randn(shape)
     fused = fuse_checkpoint_experts(state, e)
-    assert set(fused) == {"model.layers.0.mlp.gate.weight", "model.layers.0.mlp.experts.gate_up_proj",
-                          "model.layers.0.mlp.experts.down_proj"}  # fmt: skip
+    assert set(fused) == {
+        "model.layers.0.mlp.gate.weight",
+        "model.layers.0.mlp.experts.gate_up_proj",
+        "model.layers.0.mlp.experts.down_proj",
+    }
     gate_up = fused["model.layers.0.mlp.experts.gate_up_proj"]
     assert gate_up.shape == (e, 2 * i, h)
     assert torch.equal(gate_up[1, :i], state["model.layers.0.block_sparse_moe.experts.1.w1.weight"])

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from miles_ray.rewards import extract_answer
-from miles_ray.rewards.safe import SafeReward, resolve_callable
+from miles_ray.rewards.safe import SafeReward
 
 
 def exact(text, entry):
@@ -23,15 +23,17 @@ def test_callable_and_async_and_import_path():
     assert SafeReward(exact)("42", {"answer": "42"}) == (1.0, None)
     assert SafeReward(exact_async)("41", {"answer": "42"}) == (0.0, None)
     assert SafeReward("operator:add")(2, 3) == (5.0, None)  # "module:attr"
-    assert resolve_callable("os.path.join") is __import__("os").path.join  # "module.attr"
 
 
-@pytest.mark.parametrize(("fn", "kind"), [
-    (lambda t, e: 1 / 0, "exception"),
-    (lambda t, e: math.nan, "invalid"),
-    (lambda t, e: "high", "invalid"),
-    (lambda t, e: time.sleep(5), "timeout"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("fn", "kind"),
+    [
+        (lambda t, e: 1 / 0, "exception"),
+        (lambda t, e: math.nan, "invalid"),
+        (lambda t, e: "high", "invalid"),
+        (lambda t, e: time.sleep(5), "timeout"),
+    ],
+)
 def test_failures_are_recorded_not_raised(fn, kind):
     start = time.perf_counter()
     value, failure = SafeReward(fn, timeout_s=0.3)("x", {})
@@ -39,11 +41,14 @@ def test_failures_are_recorded_not_raised(fn, kind):
     assert time.perf_counter() - start < 3  # a hang costs the timeout, not the hang
 
 
-@pytest.mark.parametrize(("spec", "match"), [
-    ("no_such_module_xyz:f", "cannot be imported"),
-    ("math:pi", "is not callable"),
-    (42, "must be a callable or an import path"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("spec", "match"),
+    [
+        ("no_such_module_xyz:f", "cannot be imported"),
+        ("math:pi", "is not callable"),
+        (42, "must be a callable or an import path"),
+    ],
+)
 def test_bad_specs_fail_at_setup(spec, match):
     with pytest.raises(ValueError, match=match):
         SafeReward(spec)

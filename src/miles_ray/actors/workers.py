@@ -1,10 +1,10 @@
-"""Rank-group plumbing shared by the trainer, the critic and the reference: spawn, rendezvous, gather.
+"""Workers: the rank actors of the trainer, critic and reference, and their plumbing (spawn, rendezvous, gather).
 
-A group actor (``TrainerGroup``, ``CriticGroup``, ``ReferenceGroup``) starts one ``RankWorker`` subclass per
-slot of its placement role with ``start_ranks``; the workers form one ``torch.distributed`` group (gloo on
-CPU, NCCL on GPU) hosted by rank 0, and each builds its model in ``setup``. Every worker gets the whole
-list of sample groups and works on its contiguous shard; per-token results travel back as one list of
-floats per sample, holding the values on that sample's trained tokens.
+A group actor (``TrainerGroup``, ``CriticGroup``, ``ReferenceGroup``) starts one ``Worker`` subclass per slot of
+its placement role with ``start_workers``; the workers form one ``torch.distributed`` group (gloo on CPU, NCCL on
+GPU) hosted by rank 0, and each builds its backend in ``setup``. Every worker gets the whole list of sample groups
+and works on its backend's data shard; per-token results travel back as one list of floats per sample, holding
+the values on that sample's trained tokens.
 """
 
 from __future__ import annotations
@@ -52,42 +52,32 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-class RankWorker:
-    """One rank of a group; subclasses build their model in ``setup`` (apply ``ray.remote`` via ``start_ranks``)."""
+class Worker:
+    """One rank of a group; subclasses build ``self.backend`` in ``setup`` (apply ``ray.remote`` via ``start_workers``).
+
+    The backend says which data shard the rank works on (``dp_rank``, ``dp_size``) and gathers the shards back;
+    model-parallel peers (Megatron's TP ranks) share a shard.
+    """
 
     def __init__(self, rank: int, world_size: int, config):
-        self.rank, self.world_size, self.config = rank, world_size, config
-        self.data_shard = (rank, world_size)  # (data-parallel rank, size): which samples this rank works on
-        self.data_ranks = list(range(world_size))  # one rank per data shard, in shard order
-
-    def set_data_ranks(self, dp_rank: int, dp_size: int) -> None:
-        """Collective: record this rank's data shard (model-parallel peers share one).
-
-        The first rank of each shard speaks for it in ``all_ranks``: its peers hold the same samples.
-        """
-        import torch.distributed as dist
-
-        self.data_shard = (dp_rank, dp_size)
-        shards = [None] * self.world_size
-        dist.all_gather_object(shards, dp_rank)
-        first = {}
-        for rank, shard in enumerate(shards):
-            first.setdefault(shard, rank)
-        self.data_ranks = [first[d] for d in range(dp_size)]
+        self.rank = rank
+        self.world_size = world_size
+        self.config = config
+        self.backend = None
 
     def address(self) -> tuple[str, int]:
         """Node IP and a free port, for rendezvous hosted by this rank."""
         return ray.util.get_node_ip_address(), _free_port()
 
     def init(self, master_addr: str, master_port: int) -> None:
-        """Join the group's process group, seed torch, build the model."""
+        """Join the group's process group, seed torch, build the backend."""
         import torch.distributed as dist
 
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        collective = "nccl" if torch.cuda.is_available() else "gloo"
         if torch.cuda.is_available():
             torch.cuda.set_device(0)  # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU
-        dist.init_process_group(backend, rank=self.rank, world_size=self.world_size)
+        dist.init_process_group(collective, rank=self.rank, world_size=self.world_size)
         torch.manual_seed(self.config.seed)
         self.setup()
 
@@ -95,13 +85,10 @@ class RankWorker:
         """Build the backend (called once the process group exists)."""
         raise NotImplementedError
 
-    def all_ranks(self, local: torch.Tensor) -> torch.Tensor:
-        """Concatenate each data shard's ``local`` tensor in shard order (the shards are contiguous slices)."""
-        import torch.distributed as dist
-
-        parts = [None] * self.world_size
-        dist.all_gather_object(parts, local)
-        return torch.cat([parts[r] for r in self.data_ranks])
+    @property
+    def data_shard(self) -> tuple[int, int]:
+        """``(data-parallel rank, size)``: which samples this rank works on (``RolloutBatch.shard``)."""
+        return self.backend.dp_rank, self.backend.dp_size
 
     def batch(self, group_refs: list) -> tuple[RolloutBatch, list[Sample]]:
         """The whole padded batch of ``group_refs`` and its samples (every rank builds the same one)."""
@@ -110,11 +97,11 @@ class RankWorker:
 
     def gather_masked(self, batch: RolloutBatch, local: torch.Tensor) -> list[list[float]] | None:
         """Collective: rank 0 returns every sample's trained-token entries of the ranks' ``local`` shards."""
-        full = self.all_ranks(local)
+        full = self.backend.gather_shards(local)
         return masked_lists(full, batch.response_mask) if self.rank == 0 else None
 
 
-def start_ranks(placement, cls: type, role: str, count_field: str, config, *args) -> list:
+def start_workers(placement, cls: type, role: str, count_field: str, config, *args) -> list:
     """Start ``config.num_ranks`` ``cls(rank, num_ranks, config, *args)`` workers on the ``role`` slots.
 
     Returns once their process group is up and every rank has run ``setup``.

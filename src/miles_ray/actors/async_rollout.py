@@ -1,22 +1,25 @@
-"""RolloutWorker: fully async rollout. Streams rewarded sample groups into the ReplayBuffer, non-stop.
+"""AsyncRollout: fully async rollout. Streams rewarded sample groups into the ReplayBuffer, non-stop.
 
-The worker keeps ``prompts_in_flight`` prompts generating through the Router; each finished prompt is
-rewarded and its group put in the object store and added to the buffer with the (oldest) weight version
-that generated it. The trainer takes batches at its own pace (``ReplayBuffer.get_batch(..., timeout_s=...)``)
-and weights are pushed while generation goes on (``WeightBroadcasterConfig.in_flight`` says what happens to
-requests caught mid-generation). Off-policyness is bounded twice: the worker launches no new prompt while
-the buffer plus its in-flight prompts hold ``max_buffered_groups``, and the buffer drops groups older than
-``max_staleness`` versions (keep them and correct with ``TrainerGroupConfig(old_logprobs="rollout",
-mismatch_correction=...)`` instead by leaving ``max_staleness`` None).
+It keeps ``prompts_in_flight`` prompts generating through the Router; each finished prompt is rewarded and its
+group put in the object store and added to the buffer with the (oldest) weight version that generated it. The
+trainer takes batches at its own pace (``ReplayBuffer.get_batch(..., timeout_s=...)``) and weights are pushed while
+generation goes on (``WeightBroadcasterConfig.in_flight`` says what happens to requests caught mid-generation).
+Off-policyness is bounded twice: it launches no new prompt while the buffer plus its in-flight prompts hold
+``max_buffered_groups``, and the buffer drops groups older than ``max_staleness`` versions (keep them and correct
+with ``TrainerGroupConfig(old_logprobs="rollout", mismatch_correction=...)`` instead by leaving ``max_staleness``
+None).
 
 Usage::
 
-    worker = RolloutWorker.remote(RolloutWorkerConfig(sampling=SamplingParams(n=8)), router, buffer, task)
-    ray.get(worker.start.remote())
+    rollout = AsyncRollout.remote(AsyncRolloutConfig(sampling=SamplingParams(n=8)), router, buffer, task)
+    ray.get(rollout.start.remote())
     while training:
         batch = ray.get(buffer.get_batch.remote(8, current_version=version, timeout_s=600))
         ...
-    ray.get(worker.stop.remote())
+    ray.get(rollout.stop.remote())
+
+(It was ``RolloutWorker`` before "worker" came to mean a rank actor only; that name still works, with a
+``DeprecationWarning``.)
 """
 
 from __future__ import annotations
@@ -31,14 +34,15 @@ import ray
 from pydantic import Field
 
 from miles_ray import metrics as mx
-from miles_ray.actors.replay_buffer import GroupRef
+from miles_ray.callables import resolve_callable
 from miles_ray.config import StrictConfig
-from miles_ray.engines.base import GenerateRequest, SamplingParams
-from miles_ray.rewards.safe import SafeReward, resolve_callable
-from miles_ray.rollout import build_group, check_prompt, first_version
+from miles_ray.engines.requests import GenerateRequest, SamplingParams
+from miles_ray.rewards.safe import SafeReward
+from miles_ray.rollout import build_group, first_version, request_id
+from miles_ray.types import GroupRef, Prompt, check_prompt
 
 
-class RolloutWorkerConfig(StrictConfig):
+class AsyncRolloutConfig(StrictConfig):
     """Sampling, concurrency and back-pressure of the async rollout."""
 
     sampling: SamplingParams = Field(default_factory=SamplingParams, description="Per prompt; n is the group size.")
@@ -56,20 +60,24 @@ class RolloutWorkerConfig(StrictConfig):
 
 
 @ray.remote(num_cpus=0)
-class RolloutWorker:
+class AsyncRollout:
     """Drives one data source through a Router into a ReplayBuffer, continuously (an async actor)."""
 
-    def __init__(self, config: RolloutWorkerConfig, router, buffer, task, reward=None):
-        self.config, self._router, self._buffer, self._task = config, router, buffer, task
+    def __init__(self, config: AsyncRolloutConfig, router, buffer, task, reward=None):
+        self.config = config
+        self._router = router
+        self._buffer = buffer
+        self._task = task
         self._reward = reward or SafeReward(task.reward)
         self._keep = resolve_callable(config.group_filter, "group_filter") if config.group_filter else None
-        self._in_flight: dict[int, dict] = {}  # uid -> prompt
-        self._pending: collections.deque[dict] = collections.deque()  # prompts to (re)send before new ones
+        self._in_flight: dict[int, Prompt] = {}  # uid -> prompt
+        self._pending: collections.deque[Prompt] = collections.deque()  # prompts to (re)send before new ones
         self._loop_task: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
         self._error: BaseException | None = None
         self._counts = {"groups_added": 0, "samples_added": 0, "groups_dropped": 0}
-        self._started_at = self._stopped_at = None
+        self._started_at = None
+        self._stopped_at = None
 
     async def start(self) -> None:
         """Start generating (again, after ``stop``)."""
@@ -78,7 +86,9 @@ class RolloutWorker:
         await asyncio.gather(*self._tasks, return_exceptions=True)  # after an error, let the others land first
         self._pending.extendleft(reversed(list(self._in_flight.values())))  # prompts that failed go out again
         self._in_flight = {}
-        self._error, self._started_at, self._stopped_at = None, time.monotonic(), None
+        self._error = None
+        self._started_at = time.monotonic()
+        self._stopped_at = None
         self._loop_task = asyncio.get_running_loop().create_task(self._run())
 
     async def stop(self) -> dict:
@@ -103,9 +113,13 @@ class RolloutWorker:
         end = self._stopped_at or time.monotonic()
         elapsed = end - self._started_at if self._started_at is not None else 0.0
         rate = self._counts["samples_added"] / elapsed if elapsed > 0 else 0.0
-        return {**self._counts, "in_flight": len(self._in_flight), "samples_per_s": rate,
-                "running": self._loop_task is not None and not self._loop_task.done(),
-                "error": None if self._error is None else repr(self._error)}  # fmt: skip
+        return {
+            **self._counts,
+            "in_flight": len(self._in_flight),
+            "samples_per_s": rate,
+            "running": self._loop_task is not None and not self._loop_task.done(),
+            "error": None if self._error is None else repr(self._error),
+        }
 
     async def state(self) -> dict:
         """The data position, for a run checkpoint taken while stopped (``stop()`` lands every prompt in flight).
@@ -129,11 +143,12 @@ class RolloutWorker:
         if self._loop_task is not None:
             raise RuntimeError("load_state while running: stop() first")
         self._task.load_state_dict(state["task"])
-        self._pending, self._in_flight = collections.deque(state["unsent"]), {}
+        self._pending = collections.deque(state["unsent"])
+        self._in_flight = {}
         self._counts = dict(state["counts"])
 
     # --- the loop -------------------------------------------------------------------------------
-    def _next_prompt(self) -> dict:
+    def _next_prompt(self) -> Prompt:
         return self._pending.popleft() if self._pending else check_prompt(self._task.next_prompt(), self._task)
 
     async def _run(self) -> None:
@@ -151,9 +166,9 @@ class RolloutWorker:
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
-    async def _one(self, prompt: dict) -> None:
+    async def _one(self, prompt: Prompt) -> None:
         try:
-            request = GenerateRequest(prompt["prompt_ids"], self.config.sampling, request_id=f"p{prompt['uid']}")
+            request = GenerateRequest(prompt["prompt_ids"], self.config.sampling, request_id=request_id(prompt))
             out = await self._router.generate.remote(request)
             samples = await asyncio.to_thread(build_group, prompt, out, self._reward)
             if self._keep is None or self._keep(samples):
@@ -162,7 +177,7 @@ class RolloutWorker:
                 )
                 self._counts["groups_added"] += 1
                 self._counts["samples_added"] += len(samples)
-                mx.counter("rollout_samples_total", "Samples the rollout worker added to the buffer").inc(len(samples))
+                mx.counter("rollout_samples_total", "Samples the async rollout added to the buffer").inc(len(samples))
             else:
                 self._counts["groups_dropped"] += 1
             del self._in_flight[prompt["uid"]]

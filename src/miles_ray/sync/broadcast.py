@@ -3,7 +3,7 @@
 The group is formed the way SGLang's ``/init_weights_update_group`` forms its side (a ``tcp://`` rendezvous,
 a ``PrefixStore`` named after the group, ``torch.distributed``'s own group constructor), so embedded engine
 actors and SGLang scheduler ranks join the same group as peers. It lives beside the trainer's data-parallel
-group. ``backend="gloo"`` moves CPU tensors; on GPUs the same code path uses NCCL with CUDA buffers.
+group. ``collective="gloo"`` moves CPU tensors; on GPUs the same code path uses NCCL with CUDA buffers.
 Buckets travel as bytes (``uint8``), SGLang's ``flattened_bucket`` layout: a one-dtype bucket's flat buffer
 viewed as bytes is exactly that layout.
 
@@ -32,7 +32,10 @@ class BroadcastGroup:
     """A standalone collective group used only for weight broadcast."""
 
     def __init__(self, pg: dist.ProcessGroup, store: dist.Store, rank: int, world_size: int):
-        self.pg, self._store, self.rank, self.world_size = pg, store, rank, world_size
+        self.pg = pg
+        self._store = store
+        self.rank = rank
+        self.world_size = world_size
 
     @classmethod
     def create(
@@ -41,28 +44,35 @@ class BroadcastGroup:
         port: int,
         rank: int,
         world_size: int,
-        backend: str = "gloo",
+        collective: str = "gloo",
         timeout_s: float = 300.0,
     ) -> BroadcastGroup:
         """Join the group; rank 0 hosts the rendezvous store. Blocks until all ranks joined.
 
         Raises:
-            ValueError: for a backend other than gloo/nccl.
+            ValueError: for a collective other than gloo/nccl.
 
         """
         from torch.distributed.distributed_c10d import Backend, _new_process_group_helper, _world, rendezvous
 
-        if backend not in ("gloo", "nccl"):
-            raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+        if collective not in ("gloo", "nccl"):
+            raise ValueError(f"collective must be 'gloo' or 'nccl', got {collective!r}")
         timeout = datetime.timedelta(seconds=timeout_s)
         store, _, _ = next(rendezvous(f"tcp://{host}:{port}", rank, world_size, timeout=timeout))
         store.set_timeout(timeout)
         name = group_name(port)
         store = dist.PrefixStore(name, store)
         pg, _ = _new_process_group_helper(
-            world_size, rank, [], Backend(backend), store, group_name=name, backend_options=None,
-            timeout=timeout, device_id=None,
-        )  # fmt: skip
+            world_size,
+            rank,
+            [],
+            Backend(collective),
+            store,
+            group_name=name,
+            backend_options=None,
+            timeout=timeout,
+            device_id=None,
+        )
         _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
         return cls(pg, store, rank, world_size)
 

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from miles_ray.sync.plan import AdapterSpec
+from miles_ray.sync.buckets import AdapterSpec
 
 
 class LoRALinear(nn.Linear):
@@ -28,7 +28,8 @@ class LoRALinear(nn.Linear):
 
     def __init__(self, base: nn.Linear, rank: int, scaling: float):
         nn.Module.__init__(self)
-        self.in_features, self.out_features = base.in_features, base.out_features
+        self.in_features = base.in_features
+        self.out_features = base.out_features
         self.weight, self.bias = base.weight, base.bias
         kw = {"dtype": base.weight.dtype, "device": base.weight.device}
         self.lora_A = nn.Linear(self.in_features, rank, bias=False, **kw)
@@ -58,9 +59,10 @@ def add_lora(model: nn.Module, spec: AdapterSpec) -> list[str]:
         raise ValueError("add_lora: the model already has LoRA adapters")
     targets = set(spec.target_modules)
     found = [
-        (name, module) for name, module in model.named_modules()
+        (name, module)
+        for name, module in model.named_modules()
         if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in targets
-    ]  # fmt: skip
+    ]
     if not found:
         raise ValueError(f"add_lora: no linear layer is named one of {sorted(targets)}")
     names = []

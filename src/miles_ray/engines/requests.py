@@ -1,8 +1,9 @@
-"""The ``RolloutEngine`` interface every rollout engine implements, and its request/response types.
+"""What every rollout engine takes and returns: sampling params, requests, completions, pause modes.
 
-An engine turns prompt token ids into sampled responses with per-token logprobs, and accepts weight
-updates as HF-named tensors with a version number. The embedded engine implements it in-process;
-server-backed engines (SGLang) implement it over HTTP.
+An engine turns prompt token ids into sampled responses with per-token logprobs. The embedded engine does it
+in-process (``engines/embedded.py``); vLLM and SGLang engines over HTTP (``engines/vllm.py``, ``engines/sglang.py``).
+The engine *actors* that put them behind one interface for the Router, the pool and the weight broadcaster are
+``miles_ray.actors.engine_actor``.
 
 Logprob contract: ``logprobs[j]`` is ``log_softmax(logits / temperature)`` of response token ``j``, the
 distribution the token was drawn from before top-p/top-k truncation. A trainer recomputes the same
@@ -12,12 +13,31 @@ quantity by dividing its logits by the same temperature.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Literal, get_args
 
 import torch
 from pydantic import Field, model_validator
 
 from miles_ray.config import StrictConfig
+
+# the model name OpenAI-compatible routes report and accept when none is configured
+DEFAULT_MODEL_NAME = "default"
+
+# how an engine pauses: `abort` ends running requests first (their callers get what was generated so far),
+# `in_place` keeps them in their slots to continue after `resume` (weights may change meanwhile)
+PauseMode = Literal["abort", "in_place"]
+PAUSE_MODES: tuple[str, ...] = get_args(PauseMode)
+
+
+def check_pause_mode(mode: str) -> None:
+    """The one validation of a pause mode, for every engine and engine actor.
+
+    Raises:
+        ValueError: for a mode other than ``abort`` or ``in_place``.
+
+    """
+    if mode not in PAUSE_MODES:
+        raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
 
 
 class SamplingParams(StrictConfig):
@@ -75,28 +95,3 @@ class GenerateOutput:
     weight_version: int
     engine_id: int = -1
     first_weight_version: int = -1
-
-
-@runtime_checkable
-class RolloutEngine(Protocol):
-    """What the rollout pool, router and weight broadcaster need from an engine."""
-
-    def generate(self, requests: list[GenerateRequest]) -> list[GenerateOutput]:
-        """Sample responses for a batch of requests."""
-        ...
-
-    def update_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors into the model (a bucket of a weight sync)."""
-        ...
-
-    def set_weight_version(self, version: int) -> None:
-        """Record the version of the weights now loaded."""
-        ...
-
-    def weight_version(self) -> int:
-        """The version of the weights now loaded."""
-        ...
-
-    def weights_checksum(self) -> str:
-        """A checksum of the loaded weights, comparable with ``miles_ray.sync.checksum`` on the trainer."""
-        ...

@@ -1,0 +1,248 @@
+"""The engine-actor contract: what the Router, the RolloutPool and the WeightBroadcaster call on a rollout engine actor.
+
+Three actors implement it, one per engine: ``EmbeddedEngineActor`` (``actors/embedded_engine.py``),
+``VLLMEngineActor`` and ``SGLangEngineActor`` (``actors/vllm_engine.py``, ``actors/sglang_engine.py``, on the
+shared ``ServerEngineActor``). ``EngineInterface`` lists exactly what the stack calls:
+
+=====================  ===================================================================================
+caller                 methods
+=====================  ===================================================================================
+Router                 ``generate``, ``health``
+RolloutPool            ``health`` (readiness, respawn), ``release_memory``, ``resume_memory``; ``start_http``
+                       only on embedded engines (``RolloutPoolConfig.http``)
+WeightBroadcaster      ``takes_adapters``, ``takes_full_weights``, ``checksum_kind``, ``sync_ranks``,
+                       ``join_sync_group``, ``receive_broadcast``, ``load_buckets``, ``weight_version``
+miles_ray.fault        through the three above (respawn, replace, re-route)
+=====================  ===================================================================================
+
+``EngineControl`` is what drivers and tests use to steer one engine (pause, abort, cache, checksum).
+``EngineActorBase`` holds what every engine actor shares: the in-flight and pause-mode checks (``InFlight``,
+``check_in_flight``, one validation for all), the capability answers, and the weight-sync receive path
+(buckets over the broadcast group or from the object store, applied inside the engine's ``_load``).
+``miles_ray.contracts.protocol_gaps`` checks an actor class against both Protocols.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Literal, Protocol, get_args
+
+import numpy as np
+import torch
+
+from miles_ray.engines.requests import GenerateOutput, GenerateRequest, PauseMode, check_pause_mode
+from miles_ray.sync.buckets import SyncPlan, unpack
+from miles_ray.sync.shm import as_tensor
+
+# Requests generating while a weight sync lands: `continue` (kept in their slots, they go on with the new weights),
+# `finish` (no new request is admitted; the running ones finish on the old weights first) or `abort_resume`
+# (aborted, then continued from their last token on the new weights)
+InFlight = Literal["continue", "finish", "abort_resume"]
+IN_FLIGHT_MODES: tuple[str, ...] = get_args(InFlight)
+
+
+def check_in_flight(mode: str, supported: tuple[str, ...] = IN_FLIGHT_MODES, engine: str = "these") -> None:
+    """The one validation of an ``in_flight`` mode, for every engine actor.
+
+    Raises:
+        ValueError: for an unknown mode, or one the engine does not support (naming the engine kind).
+
+    """
+    if mode not in IN_FLIGHT_MODES:
+        raise ValueError(f"in_flight must be one of {IN_FLIGHT_MODES}, got {mode!r}")
+    if mode not in supported:
+        raise ValueError(f"{engine} engines support in_flight in {supported} only, got {mode!r}")
+
+
+class EngineInterface(Protocol):
+    """What the Router, RolloutPool and WeightBroadcaster call on every engine actor (see the module table)."""
+
+    async def generate(self, request: GenerateRequest) -> GenerateOutput:
+        """Sample ``request``'s ``n`` responses; a ``ValueError`` for an invalid request (the engine stays up)."""
+        ...
+
+    async def health(self) -> dict:
+        """Liveness and load: ``engine_id``, ``outstanding``, ``version``, ``url`` (and engine-specific load)."""
+        ...
+
+    async def release_memory(self) -> bool:
+        """Free accelerator memory while a colocated trainer trains; False if nothing is freed."""
+        ...
+
+    async def resume_memory(self, tags: str | list[str] | None = None) -> bool:
+        """Take back what ``release_memory`` freed (``weights``, ``kv_cache``; None: all)."""
+        ...
+
+    async def takes_adapters(self) -> bool:
+        """Whether an adapter-only (LoRA) sync can be loaded."""
+        ...
+
+    async def takes_full_weights(self) -> bool:
+        """Whether a sync of all weights can be loaded."""
+        ...
+
+    async def checksum_kind(self) -> str:
+        """``full`` (every byte held is hashed) or ``probe`` (the first values of each tensor)."""
+        ...
+
+    async def sync_ranks(self) -> int:
+        """Ranks this engine adds to the broadcast group."""
+        ...
+
+    async def join_sync_group(self, host: str, port: int, rank: int, world_size: int, collective: str) -> None:
+        """Join the weight-broadcast group (gloo or nccl) as ranks ``rank ..``."""
+        ...
+
+    async def receive_broadcast(
+        self, plan: SyncPlan, version: int, verify: bool = True, in_flight: InFlight = "continue"
+    ) -> dict:
+        """Receive and load every bucket of ``plan`` from group rank 0; ``{"engine_id", "seconds", "checksum"}``."""
+        ...
+
+    async def load_buckets(
+        self, plan: SyncPlan, bucket_refs: list, version: int, verify: bool = True, in_flight: InFlight = "continue"
+    ) -> dict:
+        """Load the buckets from the object store (colocated); as ``receive_broadcast``."""
+        ...
+
+    async def weight_version(self) -> int:
+        """The version of the weights loaded."""
+        ...
+
+
+class EngineControl(Protocol):
+    """What drivers and tests call to steer one engine actor."""
+
+    async def pause(self, mode: PauseMode = "abort") -> None:
+        """Pause generation: ``abort`` running requests, or keep them ``in_place``."""
+        ...
+
+    async def resume(self) -> None:
+        """Continue after ``pause``."""
+        ...
+
+    async def abort(self, request_id: str | None = None) -> None:
+        """Abort one request (all if None)."""
+        ...
+
+    async def flush_cache(self) -> None:
+        """Drop any prefix cache (computed with older weights)."""
+        ...
+
+    async def weights_checksum(self) -> str | None:
+        """Checksum of the weights held (``checksum_kind``), comparable with the trainer's."""
+        ...
+
+
+class EngineActorBase:
+    """What every engine actor shares (apply ``ray.remote`` via ``RolloutPool``).
+
+    A subclass sets ``kind`` and what it supports, implements ``_pause`` and either ``_apply`` (one unpacked
+    bucket, on a worker thread) plus ``_load(run, plan, version, verify, in_flight)`` (runs ``run`` and returns
+    ``{"engine_id", "seconds", "checksum"}``), or its own ``_receive_broadcast`` / ``_load_arrays``.
+    """
+
+    kind = "engine"
+    engine_id: int
+    in_flight_modes: tuple[str, ...] = IN_FLIGHT_MODES  # what `in_flight` values this engine can honour
+    accepts_adapters = True  # takes LoRA-only syncs (SyncPlan.adapter)
+    accepts_full_weights = True  # takes syncs of every weight
+    _sync_group = None
+
+    # --- control ------------------------------------------------------------------------------------------------
+    async def pause(self, mode: PauseMode = "abort") -> None:
+        """Pause generation: ``abort`` running requests (their callers get what was generated), or ``in_place``."""
+        check_pause_mode(mode)
+        await self._pause(mode)
+
+    async def _pause(self, mode: PauseMode) -> None:
+        raise NotImplementedError
+
+    # --- capabilities ---------------------------------------------------------------------------------------------
+    async def checksum_kind(self) -> str:
+        """``full``: the sync checksum covers every byte the engine holds (SGLang engines: ``probe``)."""
+        return "full"
+
+    async def sync_ranks(self) -> int:
+        """Ranks this engine adds to the broadcast group (an SGLang server: its TP size)."""
+        return 1
+
+    async def takes_adapters(self) -> bool:
+        """Whether this engine can load an adapter-only sync (the broadcaster asks before the first sync)."""
+        return self.accepts_adapters
+
+    async def takes_full_weights(self) -> bool:
+        """Whether this engine can load a sync of all weights (an SGLang engine serving LoRA adapters cannot)."""
+        return self.accepts_full_weights
+
+    async def release_memory(self) -> bool:
+        """Free the engine's accelerator memory while a colocated trainer trains; False: nothing to free here.
+
+        Only SGLang engines started with ``enable_memory_saver`` free anything; other engines keep theirs.
+        """
+        return False
+
+    async def resume_memory(self, tags: str | list[str] | None = None) -> bool:
+        """Take the memory of ``release_memory`` back (``tags``: ``weights`` / ``kv_cache``; None: all)."""
+        return False
+
+    # --- weight sync ----------------------------------------------------------------------------------------------
+    async def join_sync_group(self, host: str, port: int, rank: int, world_size: int, collective: str) -> None:
+        """Join the broadcast group used for disaggregated weight sync."""
+        from miles_ray.sync.broadcast import BroadcastGroup
+
+        self._sync_group = await asyncio.to_thread(BroadcastGroup.create, host, port, rank, world_size, collective)
+
+    async def receive_broadcast(
+        self, plan: SyncPlan, version: int, verify: bool = True, in_flight: InFlight = "continue"
+    ) -> dict:
+        """Receive every bucket of ``plan`` from group rank 0 and load it; then set ``version``.
+
+        ``in_flight`` says what happens to requests generating meanwhile (``WeightBroadcasterConfig.in_flight``).
+
+        Returns:
+            ``{"engine_id", "seconds", "checksum"}``; the checksum (of the weights now held) only if ``verify``.
+
+        """
+        check_in_flight(in_flight, self.in_flight_modes, self.kind)
+        return await self._receive_broadcast(plan, version, verify, in_flight)
+
+    async def load_buckets(
+        self, plan: SyncPlan, bucket_refs: list, version: int, verify: bool = True, in_flight: InFlight = "continue"
+    ) -> dict:
+        """Load buckets from the object store (colocated sync; zero-copy reads); then set ``version``.
+
+        Returns:
+            As ``receive_broadcast``.
+
+        """
+        check_in_flight(in_flight, self.in_flight_modes, self.kind)
+        arrays = await asyncio.gather(*bucket_refs)  # mapped from shared memory, not copied
+        return await self._load_arrays(plan, arrays, version, verify, in_flight)
+
+    async def _receive_broadcast(self, plan: SyncPlan, version: int, verify: bool, in_flight: InFlight) -> dict:
+        if self._sync_group is None:
+            raise RuntimeError("receive_broadcast before join_sync_group")
+
+        def run() -> None:
+            for bucket in plan.buckets:
+                flat = torch.empty(bucket.nbytes, dtype=torch.uint8)
+                self._sync_group.broadcast(flat)
+                self._apply(unpack(bucket, flat.view(bucket.dtype)))
+
+        return await self._load(run, plan, version, verify, in_flight)
+
+    async def _load_arrays(
+        self, plan: SyncPlan, arrays: list[np.ndarray], version: int, verify: bool, in_flight: InFlight
+    ) -> dict:
+        def run() -> None:
+            for bucket, array in zip(plan.buckets, arrays):
+                self._apply(unpack(bucket, as_tensor(array, bucket.dtype)))
+
+        return await self._load(run, plan, version, verify, in_flight)
+
+    def _apply(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+        raise NotImplementedError
+
+    async def _load(self, run: Any, plan: SyncPlan, version: int, verify: bool, in_flight: InFlight) -> dict:
+        raise NotImplementedError

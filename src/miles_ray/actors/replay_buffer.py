@@ -90,7 +90,7 @@ class ReplayBuffer:
             num_groups: groups to return.
             current_version: the trainer's weight version, for the staleness bound and staleness stats.
             timeout_s: wait up to this long for enough fresh groups (fully async training: an AsyncRollout
-                keep adding); None returns at once.
+                keeps adding); None returns at once.
 
         """
         if num_groups < 1:

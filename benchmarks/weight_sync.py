@@ -1,10 +1,16 @@
-"""Weight-sync bandwidth through real actors vs a plain in-process memcpy of the same bytes.
+"""Weight-sync bandwidth through the real actors, against two references measured in the same run.
 
-Runs a TrainerGroup (1 rank) and engines on a local Ray cluster, syncs the model with each transport
-(verification off, so the figure is the transfer itself, then on), and compares GB/s with
-``torch.Tensor.copy_`` of a buffer the size of the model.
+Runs a TrainerGroup (1 rank) and engines on a local Ray cluster (disaggregated bundles; one node) and syncs the
+model with each transport, verification off (the transfer itself) and on (every byte hashed on both sides, what a
+run does). The whole sync, ``seconds``, is compared with
+
+- ``torch.Tensor.copy_`` of the same bytes into a buffer that already exists (memcpy, one thread: every actor here
+  computes on one), for ``shared_memory``;
+- a raw gloo broadcast of the same bytes between two actors of the same cluster, in the same bucket sizes, for
+  ``broadcast`` (what the transport could reach if gathering, loading and hashing cost nothing).
 
     python benchmarks/weight_sync.py --model smollm2-135m --engines 1
+    python benchmarks/weight_sync.py --dtype bfloat16      # bf16 engines: the sync sends bf16 (half the bytes)
 """
 
 import argparse
@@ -23,54 +29,97 @@ from miles_ray.stack import StackConfig, build_stack
 p = argparse.ArgumentParser(description=__doc__)
 p.add_argument("--model", choices=sorted(MODELS), default="smollm2-135m")
 p.add_argument("--engines", type=int, default=1)
-p.add_argument("--repeats", type=int, default=3)
+p.add_argument("--repeats", type=int, default=5)
 p.add_argument("--bucket-mb", type=int, default=64)
+p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="what the engines hold and get")
 args = p.parse_args()
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
 path = str(model_dir(args.model))
 
-config = StackConfig(trainer={"model_path": path}, pool={"num_engines": args.engines, "engine": {"model_path": path}})
-stack = build_stack(config, placement.create(placement.disaggregated(1, args.engines)))
-engines, workers = list(stack.engines), ray.get(stack.trainer.workers.remote())
+
+@ray.remote(num_cpus=0)
+class Peer:
+    """One end of a raw gloo broadcast (the reference for the broadcast transport)."""
+
+    def address(self):
+        """Host and a free port for the group's rendezvous."""
+        from miles_ray.actors.workers import _free_port
+
+        return ray.util.get_node_ip_address(), _free_port()
+
+    def join(self, host: str, port: int, rank: int) -> None:
+        """Join the two-rank gloo group."""
+        from miles_ray.sync.broadcast import BroadcastGroup
+
+        self.group = BroadcastGroup.create(host, port, rank, 2, "gloo")
+
+    def run(self, bucket_sizes: list[int], repeats: int) -> float:
+        """Best seconds of ``repeats`` broadcasts of every bucket (rank 0 sends, rank 1 receives)."""
+        buffers = [torch.ones(n, dtype=torch.uint8) for n in bucket_sizes]
+        best = float("inf")
+        for _ in range(repeats + 1):  # the first round warms the connection up
+            start = time.perf_counter()
+            for b in buffers:
+                self.group.broadcast(b)
+            best = min(best, time.perf_counter() - start)
+        return best
 
 
-def best(transport: str, verify: bool) -> dict:
+def best_sync(transport: str, verify: bool) -> dict:
     config = WeightBroadcasterConfig(transport=transport, verify=verify, bucket_bytes=args.bucket_mb << 20)
     wb = WeightBroadcaster.remote(config, workers, engines)
-    ray.get(wb.sync.remote(0))  # warm-up (and group setup for broadcast)
+    ray.get(wb.sync.remote(0))  # warm-up: group setup, buffers allocated and mapped
     reports = [ray.get(wb.sync.remote(i + 1)) for i in range(args.repeats)]
+    ray.kill(wb)
     return min(reports, key=lambda r: r["seconds"])
 
 
-nbytes = ray.get(workers[0].sync_plan.remote("float32", args.bucket_mb << 20)).total_bytes
-src, dst = torch.empty(nbytes // 4), torch.empty(nbytes // 4)
-dst.copy_(src)
-start = time.perf_counter()
-for _ in range(args.repeats):
+def memcpy_seconds(nbytes: int) -> float:
+    """Best ``copy_`` of the bytes into a buffer that exists, on one thread as every actor here computes."""
+    torch.set_num_threads(1)
+    src, dst = torch.ones(nbytes // 4), torch.empty(nbytes // 4)
     dst.copy_(src)
-memcpy_gbs = nbytes * args.repeats / (time.perf_counter() - start) / 1e9
+    best = float("inf")
+    for _ in range(args.repeats):
+        start = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - start)
+    return best
 
+
+def gloo_seconds(bucket_sizes: list[int]) -> float:
+    peers = [Peer.remote(), Peer.remote()]
+    host, port = ray.get(peers[0].address.remote())
+    ray.get([peer.join.remote(host, port, rank) for rank, peer in enumerate(peers)])
+    return min(ray.get([peer.run.remote(bucket_sizes, args.repeats) for peer in peers]))
+
+
+engine = {"model_path": path, "dtype": args.dtype}
+config = StackConfig(trainer={"model_path": path}, pool={"num_engines": args.engines, "engine": engine})
+stack = build_stack(config, placement.create(placement.disaggregated(1, args.engines)))
+engines, workers = list(stack.engines), ray.get(stack.trainer.workers.remote())
+plan = ray.get(workers[0].sync_plan.remote(args.dtype, args.bucket_mb << 20))
+nbytes = plan.total_bytes
+references = {"shared_memory": memcpy_seconds(nbytes), "broadcast": gloo_seconds([b.nbytes for b in plan.buckets])}
 rows = [
+    {"transport": "memcpy (reference)", "verify": None, "seconds": references["shared_memory"], "fraction": 1.0},
     {
-        "transport": "memcpy (in process)",
-        "verify": False,
-        "seconds": nbytes / memcpy_gbs / 1e9,
-        "gb_per_s": memcpy_gbs,
-        "fraction_of_memcpy": 1.0,
-    }
+        "transport": "raw gloo broadcast (reference)",
+        "verify": None,
+        "seconds": references["broadcast"],
+        "fraction": 1.0,
+    },
 ]
 for transport in ["broadcast", "shared_memory"]:
     for verify in [False, True]:
-        r = best(transport, verify)
-        rows.append(
-            {
-                "transport": transport,
-                "verify": verify,
-                "seconds": r["seconds"],
-                "gb_per_s": r["bytes"] / r["seconds"] / 1e9,
-                "fraction_of_memcpy": r["bytes"] / r["seconds"] / 1e9 / memcpy_gbs,
-            }
-        )
-print(f"model {args.model}: {nbytes / 1e6:.0f} MB fp32, {args.engines} engine(s)")
-emit("weight_sync", rows)
+        r = best_sync(transport, verify)
+        rows.append({"transport": transport, "verify": verify, "seconds": r["seconds"]})
+        rows[-1]["fraction"] = references[transport] / r["seconds"]  # of the reference's speed on the same bytes
+for row in rows:
+    row["gb_per_s"] = nbytes / row["seconds"] / 1e9
+print(
+    f"model {args.model}: {nbytes / 1e6:.0f} MB {args.dtype}, {args.engines} engine(s), one node; "
+    "fraction = reference / sync"
+)
+emit("weight_sync" if args.dtype == "float32" else f"weight_sync_{args.dtype}", rows)

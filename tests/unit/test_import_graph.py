@@ -15,7 +15,7 @@ SRC = Path(miles_ray.__file__).resolve().parent
 
 # Layers, bottom first: a module may import its own layer and the ones below, never one above.
 LAYERS = [
-    {"types", "config", "callables", "contracts", "deprecation", "metrics", "algo", "sync", "placement"},
+    {"types", "config", "callables", "contracts", "deprecation", "devices", "metrics", "algo", "sync", "placement"},
     {"models", "rewards"},
     {"engines", "backends", "hooks", "rollout", "multiturn"},
     {"actors"},
@@ -83,7 +83,9 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def layer(module: str) -> int:
     top = module.removeprefix("miles_ray").lstrip(".").split(".")[0]
-    return next(i for i, names in enumerate(LAYERS) if top in names)
+    found = [i for i, names in enumerate(LAYERS) if top in names]
+    assert found, f"{module} is in no layer: add {top!r} to LAYERS"
+    return found[0]
 
 
 def is_package_init(importer: str, imported: str) -> bool:

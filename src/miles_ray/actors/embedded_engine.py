@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import ray
 import torch
 
 from miles_ray import metrics as mx
@@ -134,6 +135,7 @@ class EmbeddedEngineActor(EngineActorBase):
             "outstanding": self._outstanding,
             "version": self.engine.weight_version(),
             "url": self.url,
+            "node_ip": ray.util.get_node_ip_address(),
             **self.engine.stats(),
         }
 
@@ -142,12 +144,16 @@ class EmbeddedEngineActor(EngineActorBase):
         """Version of the loaded weights."""
         return self.engine.weight_version()
 
+    async def weights_dtype(self) -> str:
+        """The dtype the engine computes in (``auto`` resolved on this engine's device)."""
+        return str(self.engine.dtype).removeprefix("torch.")
+
     async def weights_checksum(self) -> str:
         """Checksum of the loaded weights."""
         return await asyncio.to_thread(self.engine.weights_checksum)
 
-    def _apply(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
-        self.engine.update_weights(named_tensors)
+    def _apply(self, named_tensors: list[tuple[str, torch.Tensor]], alias: bool = False) -> None:
+        self.engine.update_weights(named_tensors, alias=alias)
 
     async def _load(self, run, plan: SyncPlan, version: int, verify: bool, in_flight: InFlight) -> dict:
         # no decode step may see half-updated weights: the engine is paused around the load. Requests in

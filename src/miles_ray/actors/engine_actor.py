@@ -10,7 +10,7 @@ caller                 methods
 Router                 ``generate``, ``health``
 RolloutPool            ``health`` (readiness, respawn), ``release_memory``, ``resume_memory``; ``start_http``
                        only on embedded engines (``RolloutPoolConfig.http``)
-WeightBroadcaster      ``takes_adapters``, ``takes_full_weights``, ``checksum_kind``, ``sync_ranks``,
+WeightBroadcaster      ``takes_adapters``, ``takes_full_weights``, ``weights_dtype``, ``checksum_kind``, ``sync_ranks``,
                        ``join_sync_group``, ``receive_broadcast``, ``load_buckets``, ``weight_version``
 miles_ray.fault        through the three above (respawn, replace, re-route)
 =====================  ===================================================================================
@@ -27,12 +27,11 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Literal, Protocol, get_args
 
-import numpy as np
 import torch
 
 from miles_ray.engines.requests import GenerateOutput, GenerateRequest, PauseMode, check_pause_mode
 from miles_ray.sync.buckets import SyncPlan, unpack
-from miles_ray.sync.shm import as_tensor
+from miles_ray.sync.shm import BucketBuffers, SharedBucket, as_tensor, open_buckets
 
 # Requests generating while a weight sync lands: `continue` (kept in their slots, they go on with the new weights),
 # `finish` (no new request is admitted; the running ones finish on the old weights first) or `abort_resume`
@@ -62,7 +61,7 @@ class EngineInterface(Protocol):
         ...
 
     async def health(self) -> dict:
-        """Liveness and load: ``engine_id``, ``outstanding``, ``version``, ``url`` (and engine-specific load)."""
+        """Liveness and load: ``engine_id``, ``outstanding``, ``version``, ``url``, ``node_ip`` (and more load)."""
         ...
 
     async def release_memory(self) -> bool:
@@ -79,6 +78,10 @@ class EngineInterface(Protocol):
 
     async def takes_full_weights(self) -> bool:
         """Whether a sync of all weights can be loaded."""
+        ...
+
+    async def weights_dtype(self) -> str | None:
+        """The dtype name of the weights held (``bfloat16``...); None where the server resolves it itself."""
         ...
 
     async def checksum_kind(self) -> str:
@@ -148,6 +151,7 @@ class EngineActorBase:
     accepts_adapters = True  # takes LoRA-only syncs (SyncPlan.adapter)
     accepts_full_weights = True  # takes syncs of every weight
     _sync_group = None
+    _receive_buffers: BucketBuffers | None = None  # where broadcast buckets land, two sets alternating
 
     # --- control ------------------------------------------------------------------------------------------------
     async def pause(self, mode: PauseMode = "abort") -> None:
@@ -210,38 +214,53 @@ class EngineActorBase:
     async def load_buckets(
         self, plan: SyncPlan, bucket_refs: list, version: int, verify: bool = True, in_flight: InFlight = "continue"
     ) -> dict:
-        """Load buckets from the object store (colocated sync; zero-copy reads); then set ``version``.
+        """Load the buckets of a colocated sync; then set ``version``.
+
+        ``bucket_refs`` are ``SharedBucket`` handles of the sender's shared-memory buffers (an engine on the
+        sender's node: mapped, and the engine may compute on them in place) or object-store refs (another node:
+        mapped from the object store, then copied).
 
         Returns:
             As ``receive_broadcast``.
 
         """
         check_in_flight(in_flight, self.in_flight_modes, self.kind)
-        arrays = await asyncio.gather(*bucket_refs)  # mapped from shared memory, not copied
-        return await self._load_arrays(plan, arrays, version, verify, in_flight)
+        shared = all(isinstance(r, SharedBucket) for r in bucket_refs)
+        if shared:
+            flats = open_buckets(bucket_refs)
+        else:
+            flats = [as_tensor(a, torch.uint8) for a in await asyncio.gather(*bucket_refs)]  # mapped, not copied
+        return await self._load_flats(plan, flats, shared, version, verify, in_flight)
 
     async def _receive_broadcast(self, plan: SyncPlan, version: int, verify: bool, in_flight: InFlight) -> dict:
         if self._sync_group is None:
             raise RuntimeError("receive_broadcast before join_sync_group")
+        if self._receive_buffers is None:
+            self._receive_buffers = BucketBuffers(shared=False)
+        flats = self._receive_buffers.next(plan)  # not the set the parameters may view now
 
-        def run() -> None:
-            for bucket in plan.buckets:
-                flat = torch.empty(bucket.nbytes, dtype=torch.uint8)
+        def receive() -> None:  # before pausing: generation goes on while the bytes arrive
+            for flat in flats:
                 self._sync_group.broadcast(flat)
-                self._apply(unpack(bucket, flat.view(bucket.dtype)))
 
-        return await self._load(run, plan, version, verify, in_flight)
+        await asyncio.to_thread(receive)
+        return await self._load_flats(plan, flats, True, version, verify, in_flight)
 
-    async def _load_arrays(
-        self, plan: SyncPlan, arrays: list[np.ndarray], version: int, verify: bool, in_flight: InFlight
+    async def _load_flats(
+        self, plan: SyncPlan, flats: list[torch.Tensor], own: bool, version: int, verify: bool, in_flight: InFlight
     ) -> dict:
+        """Apply the received buckets (``uint8`` each) inside ``_load``.
+
+        ``own``: the memory stays valid and unwritten until the next sync, so parameters may view it (no copy).
+        """
+
         def run() -> None:
-            for bucket, array in zip(plan.buckets, arrays):
-                self._apply(unpack(bucket, as_tensor(array, bucket.dtype)))
+            for bucket, flat in zip(plan.buckets, flats):
+                self._apply(unpack(bucket, flat.view(bucket.dtype)), alias=own)
 
         return await self._load(run, plan, version, verify, in_flight)
 
-    def _apply(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+    def _apply(self, named_tensors: list[tuple[str, torch.Tensor]], alias: bool = False) -> None:
         raise NotImplementedError
 
     async def _load(self, run: Any, plan: SyncPlan, version: int, verify: bool, in_flight: InFlight) -> dict:

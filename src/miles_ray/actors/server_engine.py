@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 
+import ray
+
 from miles_ray.actors.engine_actor import EngineActorBase
 from miles_ray.engines.requests import GenerateOutput, GenerateRequest
 from miles_ray.engines.server_process import ServerProcess
@@ -70,6 +72,7 @@ class ServerEngineActor(EngineActorBase):
             "outstanding": self._outstanding,
             "version": self._version,
             "url": self.url,
+            "node_ip": ray.util.get_node_ip_address(),
             "kind": self.kind,
         }
 
@@ -84,6 +87,10 @@ class ServerEngineActor(EngineActorBase):
     async def weight_version(self) -> int:
         """Version of the loaded weights."""
         return self._version
+
+    async def weights_dtype(self) -> str | None:
+        """The configured weights dtype; None for ``auto`` (the server picks it from the model config)."""
+        return None if self.config.dtype == "auto" else self.config.dtype
 
     async def weights_checksum(self) -> str | None:
         """Checksum of the weights after the last load (None before the first sync or without verify)."""

@@ -34,7 +34,7 @@ from miles_ray.sync.broadcast import group_name
 from miles_ray.sync.buckets import AdapterSpec, SyncPlan, unpack
 from miles_ray.sync.checksum import named_tensors_checksum, probe_checksum
 from miles_ray.sync.digest import tensor_sha256
-from miles_ray.sync.shm import as_tensor
+from miles_ray.sync.shm import shared_empty
 
 
 class SGLangEngineActor(ServerEngineActor):
@@ -157,20 +157,26 @@ class SGLangEngineActor(ServerEngineActor):
 
         return await self._update(load, plan, version, verify)
 
-    async def _load_arrays(self, plan: SyncPlan, arrays: list, version: int, verify: bool, in_flight: str) -> dict:
-        """Load buckets from the object store through ``/update_weights_from_tensor`` (colocated sync).
+    async def _load_flats(
+        self, plan: SyncPlan, flats: list[torch.Tensor], own: bool, version: int, verify: bool, in_flight: str
+    ) -> dict:
+        """Load buckets (colocated sync) through ``/update_weights_from_tensor``.
+
+        Each bucket is copied once into torch's shared memory, which the server maps: it takes tensors only as torch's
+        pickled handles, which the trainer's buffers (memory files, ``sync.shm``) are not.
 
         Returns:
             As ``receive_broadcast``.
 
         """
         if self.config.lora is not None:
-            return await self._load_adapter(plan, arrays, version, verify)
+            return await self._load_adapter(plan, flats, version, verify)
 
         async def load() -> None:
-            for i, (bucket, array) in enumerate(zip(plan.buckets, arrays)):
-                # handles into one shared-memory copy of the bucket: pickling its views shares that storage
-                blob = _serialized(unpack(bucket, _shared_copy(as_tensor(array, bucket.dtype))))
+            for i, (bucket, flat) in enumerate(zip(plan.buckets, flats)):
+                # pickling views of torch shared memory shares the storage: the server maps the same bytes
+                shared = flat if flat.is_shared() else _shared_copy(flat)
+                blob = _serialized(unpack(bucket, shared.view(bucket.dtype)))
                 body = {
                     "serialized_named_tensors": [blob] * self.config.tp_size,
                     "flush_cache": i == len(plan.buckets) - 1,
@@ -206,17 +212,17 @@ class SGLangEngineActor(ServerEngineActor):
 
     # --- adapter syncs (config.lora): this actor takes the adapter's buckets, the server loads them ---------------
 
-    async def _load_adapter(self, plan: SyncPlan, arrays: list | None, version: int, verify: bool) -> dict:
+    async def _load_adapter(self, plan: SyncPlan, flats: list | None, version: int, verify: bool) -> dict:
         """Load an adapter-only sync as a new SGLang adapter that new requests use.
 
-        ``arrays`` are the buckets from the object store (colocated); None: they come over the broadcast group.
+        ``flats`` are the buckets of a colocated sync (``uint8``); None: they come over the broadcast group.
         """
         if plan.adapter is None:
             raise ValueError(
                 "this SGLang engine has SGLangEngineConfig.lora set (adapter-only syncs), but the trainer sends full "
                 "weights: set the trainer's backend.lora, or drop the engine's lora"
             )
-        if arrays is None and self._sync_group is None:
+        if flats is None and self._sync_group is None:
             raise RuntimeError("receive_broadcast before join_sync_group")
         self.config.lora.check_adapter(plan.adapter.rank, plan.adapter.target_modules)
         await self._started()
@@ -225,11 +231,11 @@ class SGLangEngineActor(ServerEngineActor):
         def receive() -> list[tuple[str, torch.Tensor]]:  # each bucket lands in shared memory, copied at most once
             named = []
             for i, bucket in enumerate(plan.buckets):
-                shared = _shared_empty(bucket.nbytes)
-                if arrays is None:
+                shared = shared_empty(bucket.nbytes)
+                if flats is None:
                     self._sync_group.broadcast(shared)
                 else:
-                    shared.copy_(as_tensor(arrays[i], torch.uint8))
+                    shared.copy_(flats[i])
                 named += unpack(bucket, shared.view(bucket.dtype))
             return named
 
@@ -263,14 +269,9 @@ class SGLangEngineActor(ServerEngineActor):
         return True
 
 
-def _shared_empty(nbytes: int) -> torch.Tensor:
-    """An uninitialised ``uint8`` buffer in shared memory (``share_memory_`` of a tensor would copy it)."""
-    return torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(nbytes))
-
-
 def _shared_copy(tensor: torch.Tensor) -> torch.Tensor:
-    """A flat ``tensor`` copied once into shared memory."""
-    return _shared_empty(tensor.nbytes).view(tensor.dtype).copy_(tensor)
+    """A flat ``uint8`` tensor copied once into shared memory."""
+    return shared_empty(tensor.nbytes).copy_(tensor)
 
 
 def _serialized(obj) -> str:

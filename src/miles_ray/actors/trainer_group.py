@@ -34,8 +34,10 @@ from miles_ray.backends.torch_parallel import TorchBackendConfig
 from miles_ray.config import StrictConfig, kind_union
 from miles_ray.hooks import HookContext, Hooks, TrainerHooksConfig
 from miles_ray.placement.groups import Placement
-from miles_ray.sync.buckets import SyncPlan
+from miles_ray.sync.buckets import SyncPlan, unpack
 from miles_ray.sync.checksum import sent_checksums
+from miles_ray.sync.digest import TensorDigests
+from miles_ray.sync.shm import BucketBuffers, put_bucket
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +90,8 @@ class TrainerWorker(Worker):
         self.external_reference = external_reference
         self.step = None
         self._sync_group = None
+        self._sync_buffers: dict[bool, BucketBuffers] = {}  # rank 0: persistent bucket buffers, private and shared
+        self._shared: tuple[SyncPlan, list[torch.Tensor]] | None = None  # rank 0: the last shared sync's buckets
         self._steps = 0  # train_step calls on this rank, for ProfilerConfig.steps
 
     def setup(self) -> None:
@@ -172,24 +176,66 @@ class TrainerWorker(Worker):
 
         self._sync_group = BroadcastGroup.create(host, port, 0, world_size, collective)
 
-    def _gather(self, plan: SyncPlan):
-        for bucket in plan.buckets:
-            yield bucket, self.backend.gather_bucket(bucket, bucket.dtype)
+    def _gather(self, plan: SyncPlan, buffers: list[torch.Tensor] | None = None):
+        """Collective: each bucket gathered on rank 0 (into ``buffers``, ``uint8`` each, when given)."""
+        for i, bucket in enumerate(plan.buckets):
+            out = None if buffers is None else buffers[i].view(bucket.dtype)
+            yield bucket, self.backend.gather_bucket(bucket, bucket.dtype, out)
+
+    def _buffers(self, plan: SyncPlan, shared: bool) -> list[torch.Tensor] | None:
+        """Rank 0's persistent bucket buffers: shared ones alternate (engines compute on the last set)."""
+        if self.rank != 0:
+            return None
+        if shared not in self._sync_buffers:
+            self._sync_buffers[shared] = BucketBuffers(shared=shared, alternate=shared)
+        return self._sync_buffers[shared].next(plan)
 
     def broadcast_weights(self, plan: SyncPlan, verify: bool, kinds: tuple[str, ...] = ("full",)) -> dict | None:
-        """Collective: gather each bucket; rank 0 broadcasts it, and returns the ``kinds`` checksums if ``verify``."""
-        sent = []
-        for _, flat in self._gather(plan):
+        """Collective: gather each bucket; rank 0 broadcasts it and returns the ``kinds`` checksums if ``verify``.
+
+        Rank 0 gathers the next bucket while the last one is on the wire (the broadcast runs on gloo's or NCCL's own
+        thread), into buffers kept from sync to sync.
+        """
+        sent, pending = [], None
+        digests = TensorDigests() if verify and "full" in kinds else None
+        for bucket, flat in self._gather(plan, self._buffers(plan, shared=False)):
             if self.rank == 0:
-                self._sync_group.broadcast(flat.view(torch.uint8))  # bytes: SGLang's flattened_bucket layout
-                if verify:
-                    sent.append(flat)
-        return sent_checksums(plan, sent, kinds) if self.rank == 0 and verify else None
+                if pending is not None:
+                    pending.wait()
+                pending = self._sync_group.broadcast(flat.view(torch.uint8), async_op=True)  # SGLang's bucket layout
+                if digests is not None:  # hashed while on the wire
+                    digests.add(unpack(bucket, flat))
+                sent.append(flat)
+        if pending is not None:
+            pending.wait()
+        if self.rank != 0 or not verify:
+            return None
+        checksums = sent_checksums(plan, sent, [k for k in kinds if k != "full"])
+        return {**checksums, "full": digests.hexdigest()} if digests is not None else checksums
+
+    def share_weight_buckets(self, plan: SyncPlan, to_store: bool) -> dict | None:
+        """Collective: gather each bucket into rank 0's shared-memory buffers (colocated sync).
+
+        Returns:
+            On rank 0 ``{"shared": [SharedBucket], "refs": [ObjectRef] | None}``: the buffers' handles, for every
+            engine on this node, and object-store copies for the others (``to_store``); None on the other ranks.
+            ``shared_checksums`` then hashes what was sent, while the engines load it.
+
+        """
+        flats = [flat for _, flat in self._gather(plan, self._buffers(plan, shared=True))]
+        if self.rank != 0:
+            return None
+        self._shared = (plan, flats)
+        handles = self._sync_buffers[True].handles()
+        return {"shared": handles, "refs": [put_bucket(f) for f in flats] if to_store else None}
+
+    def shared_checksums(self, kinds: tuple[str, ...]) -> dict[str, str]:
+        """Rank 0: the ``kinds`` checksums of the buckets the last ``share_weight_buckets`` sent."""
+        plan, flats = self._shared
+        return sent_checksums(plan, flats, kinds)
 
     def put_weight_buckets(self, plan: SyncPlan) -> list | None:
         """Collective: gather each bucket; rank 0 puts it in the object store and returns the refs."""
-        from miles_ray.sync.shm import put_bucket
-
         refs = [put_bucket(flat) for _, flat in self._gather(plan) if self.rank == 0]
         return refs if self.rank == 0 else None
 

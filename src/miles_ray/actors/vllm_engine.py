@@ -51,7 +51,7 @@ class VLLMEngineActor(ServerEngineActor):
         await self._started()
         await self.server.post("/reset_prefix_cache")
 
-    def _apply(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+    def _apply(self, named_tensors: list[tuple[str, torch.Tensor]], alias: bool = False) -> None:
         self._pending.extend(named_tensors)  # views into this sync's bucket buffers, alive until the load ends
 
     async def _load(self, run, plan: SyncPlan, version: int, verify: bool, in_flight: str) -> dict:

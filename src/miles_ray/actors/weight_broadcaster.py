@@ -2,9 +2,13 @@
 
 Transports (one per module in ``miles_ray.sync``):
 - ``broadcast``: trainer rank 0 and all engines form one collective group (gloo on CPU, NCCL on GPU);
-  each bucket is one broadcast. For disaggregated placement.
-- ``shared_memory``: rank 0 puts each bucket into the Ray object store as a NumPy byte array; engines
-  on the same node map it zero-copy. For colocated placement.
+  each bucket is one broadcast, sent while rank 0 gathers the next, received into buffers the engine keeps (its
+  parameters then view them: no copy). For disaggregated placement.
+- ``shared_memory``: rank 0 gathers each bucket into shared-memory buffers it keeps from sync to sync; engines on
+  its node map them and compute on them in place, engines on other nodes get object-store copies. For colocated
+  placement. A respawned engine gets its first weights through the object store whatever the transport.
+
+Both verify with an XXH3-128 digest of every byte (``sync.digest``), so a check costs a fraction of moving the bytes.
 
 A LoRA trainer (``TorchBackendConfig.lora``) plans adapter tensors only (``SyncPlan.adapter``): the engines add
 the adapters on the first sync and from then on receive a few MB per sync instead of the whole model.
@@ -50,8 +54,10 @@ class WeightBroadcasterConfig(StrictConfig):
         "auto", description="Collective library of `broadcast`: auto (nccl with GPUs, else gloo), gloo or nccl."
     )
     bucket_bytes: int = Field(64 << 20, ge=1 << 10, le=16 << 30, description="Bytes per bucket at most.")
-    engine_dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        "float32", description="dtype the engines hold; the trainer casts before sending."
+    engine_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto",
+        description="dtype the trainer casts to before sending. auto: the dtype every engine holds (half the bytes "
+        "of float32 where they hold bfloat16), float32 where they differ or a server resolves its own.",
     )
     verify: bool = Field(True, description="Compare engine checksums with the sent weights after every sync.")
     in_flight: InFlight = Field(
@@ -76,6 +82,18 @@ class WeightBroadcasterConfig(StrictConfig):
         return data
 
 
+def sent_dtype(configured: str, held: list[str | None]) -> str:
+    """The dtype a sync sends: ``configured``, or for ``auto`` the one dtype all engines hold (float32 otherwise).
+
+    Sending what the engines hold halves the bytes for bfloat16 engines and lets them compute on the received
+    buffers in place; float32 where they differ (or a server did not say) loses nothing any engine keeps.
+    """
+    if configured != "auto":
+        return configured
+    kinds = set(held)
+    return kinds.pop() if len(kinds) == 1 and None not in kinds else "float32"
+
+
 @ray.remote(num_cpus=0)
 class WeightBroadcaster:
     """Coordinates weight sync between a trainer's rank actors and a list of engine actors."""
@@ -86,7 +104,14 @@ class WeightBroadcaster:
         self.config = config
         self._workers = list(trainer_workers)
         self._engines = list(engines)
-        self._plan = ray.get(self._workers[0].sync_plan.remote(config.engine_dtype, config.bucket_bytes))
+        held = ray.get([e.weights_dtype.remote() for e in engines])
+        self.engine_dtype = sent_dtype(config.engine_dtype, held)
+        if config.verify and (other := [i for i, d in enumerate(held) if d not in (None, self.engine_dtype)]):
+            raise ValueError(
+                f"engine_dtype={config.engine_dtype!r} but engines {other} hold {held[other[0]]}: what they hold could "
+                "never hash to what was sent; use engine_dtype='auto' (or verify=False to cast on load unchecked)"
+            )
+        self._plan = ray.get(self._workers[0].sync_plan.remote(self.engine_dtype, config.bucket_bytes))
         adapters = self._plan.adapter is not None
         takes = ray.get([(e.takes_adapters if adapters else e.takes_full_weights).remote() for e in engines])
         refusing = [i for i, ok in enumerate(takes) if not ok]
@@ -102,6 +127,7 @@ class WeightBroadcaster:
                 "full weights: set the trainer's backend.lora, or drop the engines' lora"
             )
         self._kinds = self._checksum_kinds(self._engines)
+        self._same_node: list[bool] | None = None  # per engine: on trainer rank 0's node (shared_memory transport)
         self._group_ready = False
         self._last: dict = {}
 
@@ -151,7 +177,7 @@ class WeightBroadcaster:
             loaded = ray.get(recvs)
             put_s = 0.0  # engines' receive time covers the trainer's gather and send
         else:
-            put_s, sent_checksum, loaded = self._push_through_store(self._engines, self._kinds, version)
+            put_s, sent_checksum, loaded = self._push_shared(version)
         transfer_s = put_s + max(r["seconds"] for r in loaded)  # without hashing or draining
         self._check(self._engines, self._kinds, loaded, version, sent_checksum)
         total = self._plan.total_bytes
@@ -159,6 +185,7 @@ class WeightBroadcaster:
             "seconds": time.perf_counter() - start,
             "transfer_seconds": transfer_s,
             "bytes": total,
+            "dtype": self.engine_dtype,
             "gb_per_s": total / transfer_s / 1e9,
             "num_buckets": len(self._plan.buckets),
             "version": version,
@@ -170,6 +197,32 @@ class WeightBroadcaster:
         mx.seconds_histogram("weight_sync_seconds", "Seconds per weight sync").observe(self._last["seconds"])
         mx.counter("weight_sync_bytes_total", "Bytes sent per engine by weight syncs").inc(total)
         return dict(self._last)
+
+    def _push_shared(self, version: int) -> tuple[float, dict | None, list]:
+        """Colocated: rank 0 gathers into its shared-memory buffers; engines on its node map them.
+
+        Engines on other nodes get object-store copies.
+
+        Returns:
+            ``(gather seconds, sent checksums by kind, load reports)``.
+
+        """
+        if self._same_node is None:  # which engines can map rank 0's shared memory (asked once per engine set)
+            trainer_ip, _ = ray.get(self._workers[0].address.remote())
+            self._same_node = [h["node_ip"] == trainer_ip for h in ray.get([e.health.remote() for e in self._engines])]
+        start = time.perf_counter()
+        c = self.config
+        sends = [w.share_weight_buckets.remote(self._plan, not all(self._same_node)) for w in self._workers]
+        out = [r for r in ray.get(sends) if r][0]
+        put_s = time.perf_counter() - start
+        loads = [
+            e.load_buckets.remote(self._plan, out["shared"] if same else out["refs"], version, c.verify, c.in_flight)
+            for e, same in zip(self._engines, self._same_node)
+        ]
+        sent = None
+        if c.verify:  # rank 0 hashes what it sent while the engines load and hash what they got
+            sent = ray.get(self._workers[0].shared_checksums.remote(tuple(sorted(set(self._kinds)))))
+        return put_s, sent, ray.get(loads)
 
     def _push_through_store(self, engines: list, kinds: list[str], version: int) -> tuple[float, dict | None, list]:
         """Rank 0 puts the buckets in the object store, ``engines`` (checksum ``kinds``) load them.
@@ -222,6 +275,7 @@ class WeightBroadcaster:
         kinds = self._checksum_kinds([engine])
         self._kinds[engine_id] = kinds[0]  # and the next syncs compare it the same way
         self._group_ready = False  # the old group has a dead member
+        self._same_node = None  # the new engine may sit on another node
         start = time.perf_counter()
         _, sent_checksum, loaded = self._push_through_store([engine], kinds, version)
         self._check([engine], kinds, loaded, version, sent_checksum)
@@ -234,6 +288,7 @@ class WeightBroadcaster:
             raise ValueError("set_trainer_workers needs at least one trainer worker")
         self._workers = list(trainer_workers)
         self._group_ready = False
+        self._same_node = None
 
     def _checksum_refs(self, refs: list, kinds: list[str]) -> dict[str, str]:
         arrays = ray.get(refs)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from miles_ray.backends.optimizer import OptimizerConfig
+from miles_ray.backends.packing import pack_rows
 from miles_ray.backends.torch_parallel import DataParallelModel, TorchBackendConfig, param_dtype
 from miles_ray.types import RolloutBatch
 
@@ -41,9 +42,12 @@ class ValueModel(torch.nn.Module):
         """Recompute the decoder's activations in backward."""
         self.model.gradient_checkpointing_enable()
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """``[B, T]`` value of every position's state."""
-        hidden = self.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``[B, T]`` value of every position's state (a 4D ``attention_mask`` and ``position_ids``: packed rows)."""
+        hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+        hidden = hidden.last_hidden_state
         return self.value_head(hidden).sum(-1).float()  # sum over the size-1 dim: a new tensor, not a view
 
 
@@ -66,10 +70,24 @@ class TorchCriticBackend(DataParallelModel):
         return [{"params": body}, {"params": head, "lr": self.head_lr}]
 
     def forward_values(self, batch: RolloutBatch) -> torch.Tensor:
-        """``[B, T-1]`` values of ``batch`` on this rank's device (position ``t``: the state predicting ``t+1``)."""
+        """``[B, T-1]`` values of ``batch`` on this rank's device (position ``t``: the state predicting ``t+1``).
+
+        Packed (``config.packing``), a shared prompt's states are computed once; positions that predict no response
+        token are 0 then (the value loss masks them anyway).
+        """
+        p = self.config.packing
+        if p is None:
+            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+                values = self.model(batch.input_ids.to(self.device), batch.attention_mask.to(self.device))
+            return values[:, :-1]
+        packed = pack_rows(batch, p.share_prefix, p.max_row_tokens)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
-            values = self.model(batch.input_ids.to(self.device), batch.attention_mask.to(self.device))
-        return values[:, :-1]
+            values = self.model(
+                packed.input_ids.to(self.device),
+                packed.attention.to(self.device),
+                packed.position_ids.to(self.device),
+            )
+        return packed.scatter(packed.needed(values))
 
 
 __all__ = ["TorchCriticBackend", "ValueModel"]

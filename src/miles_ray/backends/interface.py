@@ -4,14 +4,14 @@ A backend holds one rank of a model and knows how to run it: devices, parallel w
 checkpoints, its data-parallel group. It knows nothing of rewards, advantages or losses: the RL step drives
 these primitives, the same for every backend::
 
-    LogprobModel        micro_batch_size, train(mode), micro_batch(batch) -> context,
+    LogprobModel        micro_batches(batch) -> row sets, train(mode), micro_batch(batch) -> context,
                         forward_logprobs(batch, temperature) -> (logprobs, entropy)
     StepPrimitives      device, dp_rank, dp_size, model, optimizer,
                         grad_sync(enabled), backward(loss, units, total_units), clip_and_step(loss_sum),
                         global_sum(values), global_max(value), gather_shards(local), save(path), load(path)
     TrainBackend        LogprobModel + StepPrimitives + reference, route_counts(),
                         sync_plan(dtype, bucket_bytes), gather_bucket(bucket, dtype), hf_state(dtype)
-    CriticBackend       StepPrimitives + micro_batch_size, train(mode), forward_values(batch)
+    CriticBackend       StepPrimitives + micro_batches(batch), train(mode), forward_values(batch)
 
 Implementations: ``TorchBackend`` and ``MegatronBackend`` (``TrainBackend``), ``TorchCriticBackend``
 (``CriticBackend``), a frozen ``PolicyModel`` (``LogprobModel``, the KL reference). ``miles_ray.contracts``
@@ -36,9 +36,8 @@ from miles_ray.types import RolloutBatch
 class LogprobModel(Protocol):
     """A model that scores tokens: the policy, or its frozen KL reference."""
 
-    @property
-    def micro_batch_size(self) -> int:
-        """Samples per forward."""
+    def micro_batches(self, batch: RolloutBatch) -> list[torch.Tensor]:
+        """The batch's rows cut into micro-batches (``LongTensor`` each), by samples and tokens per forward."""
         ...
 
     def train(self, mode: bool = True) -> None:
@@ -121,8 +120,11 @@ class TrainBackend(LogprobModel, StepPrimitives, Protocol):
         """Bucket plan of the HF-named tensors a weight sync sends, cast to ``dtype``."""
         ...
 
-    def gather_bucket(self, bucket: Bucket, dtype: torch.dtype) -> torch.Tensor | None:
-        """Collective over ranks: the bucket packed as one flat tensor on rank 0, None elsewhere."""
+    def gather_bucket(self, bucket: Bucket, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Collective over ranks: the bucket packed as one flat tensor on rank 0, None elsewhere.
+
+        ``out`` (a ``bucket.numel`` buffer of ``dtype``) receives it when given: a sender's persistent buffer.
+        """
         ...
 
     def hf_state(self, dtype: torch.dtype) -> tuple[dict[str, torch.Tensor] | None, dict[str, torch.Tensor] | None]:
@@ -133,9 +135,8 @@ class TrainBackend(LogprobModel, StepPrimitives, Protocol):
 class CriticBackend(StepPrimitives, Protocol):
     """One rank of PPO's value model."""
 
-    @property
-    def micro_batch_size(self) -> int:
-        """Samples per forward."""
+    def micro_batches(self, batch: RolloutBatch) -> list[torch.Tensor]:
+        """The batch's rows cut into micro-batches (``LongTensor`` each), by samples and tokens per forward."""
         ...
 
     def train(self, mode: bool = True) -> None:

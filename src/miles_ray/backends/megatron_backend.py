@@ -35,8 +35,10 @@ from pydantic import Field, model_validator
 from miles_ray.backends import megatron_cpu
 from miles_ray.backends.megatron_convert import GPTShape, hf_to_megatron, megatron_source, megatron_to_hf
 from miles_ray.backends.optimizer import OptimizerConfig
-from miles_ray.backends.torch_parallel import DataParallelOps, load_rng, rank_device, save_rng
+from miles_ray.backends.packing import PackingConfig, micro_batches_of, pack_rows
+from miles_ray.backends.torch_parallel import DataParallelOps, load_rng, save_rng
 from miles_ray.config import StrictConfig
+from miles_ray.devices import rank_device
 from miles_ray.models.llama import LlamaArgs
 from miles_ray.sync.buckets import Bucket, SyncPlan, pack, plan_buckets
 from miles_ray.types import RolloutBatch
@@ -82,7 +84,14 @@ class MegatronBackendConfig(StrictConfig):
     dtype: Literal["float32", "bfloat16"] = Field(
         "float32", description="Model dtype; bfloat16 keeps fp32 main params and grads in Megatron's optimizer."
     )
-    micro_batch_size: int = Field(8, ge=1, le=4096, description="Samples per forward/backward on one DP rank.")
+    micro_batch_size: int = Field(8, ge=1, le=4096, description="Samples per forward/backward on one DP rank at most.")
+    max_tokens_per_micro_batch: int | None = Field(
+        None, ge=1, description="Packed tokens per forward/backward at most, besides micro_batch_size; None: no bound."
+    )
+    packing: PackingConfig | None = Field(
+        default_factory=PackingConfig,
+        description="Packed rows with shared prompts (backends.packing); None: one padded row per sample.",
+    )
     num_threads: int = Field(1, ge=1, le=256, description="torch intra-op threads per rank.")
     seed: int = Field(1234, description="Seed of Megatron's RNG tracker (per-TP-rank states).")
     transformer_args: dict[str, Any] = Field(
@@ -199,6 +208,25 @@ def build_gpt(model_path: str, config: MegatronBackendConfig):
     return model, shape, hf_shapes
 
 
+def _rope_at_positions(rope: torch.nn.Module) -> None:
+    """Let Megatron's RoPE take per-token position ids (``rope.position_ids``, ``[B, L]``) instead of ``0..L-1``.
+
+    Megatron's ``GPTModel`` applies rotary embeddings by sequence index alone (its ``position_ids`` feed learned
+    absolute embeddings only); packed rows restart positions per segment and continue the prompt's in each response.
+    The ``[L, B, 1, dim]`` table this returns broadcasts like Megatron's own ``[L, 1, 1, dim]`` one.
+    """
+    plain = rope.forward
+    rope.position_ids = None
+
+    def forward(max_seq_len: int, offset: int = 0, packed_seq: bool = False, cp_group=None):
+        if rope.position_ids is None:
+            return plain(max_seq_len, offset, packed_seq, cp_group)
+        table = rope.get_emb(int(rope.position_ids.max()) + 1)  # [P, 1, 1, dim]
+        return table[rope.position_ids.t()][:, :, 0]  # [L, B, 1, dim]
+
+    rope.forward = forward
+
+
 def _vocab_parallel_logprobs_entropy(logits: torch.Tensor, targets: torch.Tensor, temperature: float):
     """Logprob of ``targets`` and entropy from vocab-sharded logits ``[B, K, V/tp]`` (differentiable, no gather)."""
     from megatron.core import parallel_state as ps
@@ -277,6 +305,7 @@ class MegatronBackend(DataParallelOps):
         self.tp_size = tp
         module, self.shape, self.hf_shapes = build_gpt(model_path, config)
         self.hf_model = module.to(self.device)
+        _rope_at_positions(self.hf_model.rotary_pos_emb)  # packed rows give every token its own position
         ddp = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
         )
@@ -287,10 +316,9 @@ class MegatronBackend(DataParallelOps):
         self.model.zero_grad_buffer()
 
     # --- the primitives RLStep drives (backends.interface.TrainBackend) ----------------------------------------------
-    @property
-    def micro_batch_size(self) -> int:
-        """Samples per forward/backward on one DP rank."""
-        return self.config.micro_batch_size
+    def micro_batches(self, batch: RolloutBatch) -> list[torch.Tensor]:
+        """The batch's rows cut into micro-batches of whole shared-prefix segments (``backends.packing``)."""
+        return micro_batches_of(batch, self.config)
 
     def train(self, mode: bool = True) -> None:
         """Training or evaluation mode."""
@@ -305,7 +333,28 @@ class MegatronBackend(DataParallelOps):
         return None
 
     def forward_logprobs(self, batch: RolloutBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[B, T-1]`` next-token logprobs and entropies (vocab-parallel), 0 before the first trained position."""
+        """``[B, T-1]`` next-token logprobs and entropies (vocab-parallel) of the trained tokens, 0 elsewhere.
+
+        Packed (``config.packing``), a shared prompt is forwarded once for every sample that starts with it.
+        """
+        p = self.config.packing
+        if p is None:
+            return self._padded_logprobs(batch, temperature)
+        packed = pack_rows(batch, p.share_prefix, p.max_row_tokens)
+        positions = packed.position_ids.to(self.device)
+        blocked = ~packed.attention.to(self.device)  # Megatron's masks are True where attention is not allowed
+        rope = self.hf_model.rotary_pos_emb
+        rope.position_ids = positions
+        try:
+            logits = self.model(packed.input_ids.to(self.device), positions, attention_mask=blocked)  # [R, L, V/tp]
+        finally:
+            rope.position_ids = None
+        targets = batch.input_ids[:, 1:][packed.source >= 0].to(self.device)
+        lp, entropy = _vocab_parallel_logprobs_entropy(packed.needed(logits)[None], targets[None], temperature)
+        return packed.scatter(lp[0]), packed.scatter(entropy[0])
+
+    def _padded_logprobs(self, batch: RolloutBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward_logprobs`` on one padded row per sample, 0 before the first trained position."""
         input_ids = batch.input_ids.to(self.device)
         bsz, seq = input_ids.shape
         positions = torch.arange(seq, device=self.device).expand(bsz, seq)
@@ -370,10 +419,10 @@ class MegatronBackend(DataParallelOps):
         """
         return plan_buckets([(n, shape, dtype) for n, shape in self.hf_shapes.items()], bucket_bytes)
 
-    def gather_bucket(self, bucket: Bucket, dtype: torch.dtype) -> torch.Tensor | None:
-        """Collective (gather of the bucket's sources to rank 0): the bucket as one flat HF-layout tensor on rank 0."""
+    def gather_bucket(self, bucket: Bucket, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Collective (the bucket's sources gathered to rank 0): one flat HF-layout tensor on rank 0 (into ``out``)."""
         full = self._hf_tensors(dtype, {m.name for m in bucket.tensors})
-        return pack(bucket, full) if self.rank == 0 else None
+        return pack(bucket, full, out) if self.rank == 0 else None
 
     def hf_state(self, dtype: torch.dtype) -> tuple[dict[str, torch.Tensor] | None, None]:
         """Collective: the HF-named weights on rank 0 (a tied head once), None elsewhere; no adapters."""

@@ -41,13 +41,12 @@ from miles_ray.types import RolloutBatch, Sample
 def logprobs(model: LogprobModel, batch: RolloutBatch, temperature: float) -> torch.Tensor:
     """``[B, T-1]`` logprobs of ``batch`` under ``model``'s current weights, fp32 on CPU, micro-batch by micro-batch."""
     model.train(False)
-    parts = []
-    for rows in _micro_batches(batch.num_samples, model.micro_batch_size):
+    out = torch.zeros(batch.response_mask.shape)
+    for rows in model.micro_batches(batch):
         mb = batch.select(rows)
         with model.micro_batch(mb):
-            lp, _ = model.forward_logprobs(mb, temperature)
-        parts.append(lp.cpu())
-    return torch.cat(parts)
+            out[rows] = model.forward_logprobs(mb, temperature)[0].cpu()
+    return out
 
 
 class RLStep:
@@ -152,7 +151,7 @@ class RLStep:
         b.route_counts()  # count this step's forwards only
         sums: dict[str, float] = dict.fromkeys(_SUMS, 0.0)
         lp_diff_max = 0.0
-        batches = _micro_batches(shard.num_samples, b.micro_batch_size)
+        batches = b.micro_batches(shard)
         for i, rows in enumerate(batches):
             b.grad_sync(i == len(batches) - 1)  # reduce gradients once, after the last micro-batch
             ref = None if ref_logprobs is None else ref_logprobs[rows]
@@ -247,8 +246,10 @@ _SUMS += ("route_differ", "route_recorded")
 def critic_values(critic: CriticBackend, batch: RolloutBatch) -> torch.Tensor:
     """``[B, T-1]`` values of ``batch``, 0 off the response mask, fp32 on CPU."""
     critic.train(False)
-    batches = _micro_batches(batch.num_samples, critic.micro_batch_size)
-    return torch.cat([critic.forward_values(batch.select(rows)).cpu() for rows in batches]) * batch.response_mask
+    out = torch.zeros(batch.response_mask.shape)
+    for rows in critic.micro_batches(batch):
+        out[rows] = critic.forward_values(batch.select(rows)).cpu()
+    return out * batch.response_mask
 
 
 def value_update(
@@ -271,7 +272,7 @@ def value_update(
     critic.train(True)
     total_tokens = critic.global_sum([float(shard.response_mask.sum())])[0]
     sums = {"loss": 0.0, "tokens": 0.0, "value_clipfrac": 0.0}
-    batches = _micro_batches(shard.num_samples, critic.micro_batch_size)
+    batches = critic.micro_batches(shard)
     for i, rows in enumerate(batches):
         critic.grad_sync(i == len(batches) - 1)
         mb = shard.select(rows)
@@ -294,8 +295,3 @@ def value_update(
         "step_skipped": float(skipped),
         "num_tokens": r["tokens"],
     }
-
-
-def _micro_batches(num_samples: int, size: int) -> list[slice]:
-    """Consecutive row slices of at most ``size`` samples."""
-    return [slice(i, i + size) for i in range(0, num_samples, size)]

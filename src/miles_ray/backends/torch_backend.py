@@ -21,6 +21,7 @@ import torch
 
 from miles_ray.backends.lora import adapter_tensors, base_tensors, inject_lora, merged_weight, set_adapters_enabled
 from miles_ray.backends.optimizer import OptimizerConfig
+from miles_ray.backends.packing import PackedBatch, pack_rows
 from miles_ray.backends.routing import RouteTracker, find_routers
 from miles_ray.backends.torch_parallel import DataParallelModel, TorchBackendConfig, param_dtype
 from miles_ray.models.quant import apply_weight_format
@@ -88,18 +89,42 @@ class PolicyModel(DataParallelModel):
                 "backend.routing_replay is on but the batch carries no routes: the samples must come from embedded "
                 "engines serving the MoE model (vLLM engines and multi-turn samples record none)"
             )
-        return self.routes.tracking(batch.routes)
+        packed = self.packed(batch)
+        return self.routes.tracking(batch.routes if packed is None else packed.routes)  # as the forward feeds them
 
     def route_counts(self) -> tuple[float, float] | None:
         """MoE: ``(differing, recorded)`` (token, layer) expert sets since the last call, reset; else None."""
         return None if self.routes is None else self.routes.take_mismatch()
 
-    def forward_logprobs(self, batch: RolloutBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[B, T-1]`` next-token logprobs and entropies, computed only from the first response position on.
+    def packed(self, batch: RolloutBatch) -> PackedBatch | None:
+        """The batch as packed rows (``config.packing``), or None for the padded layout."""
+        p = self.config.packing
+        return None if p is None else pack_rows(batch, p.share_prefix, p.max_row_tokens)
 
-        The LM head and log-softmax over the vocabulary dominate a small model's cost; prompt positions
-        carry no loss, so their logits are never formed (``logits_to_keep``). Earlier positions are 0.
+    def forward_logprobs(self, batch: RolloutBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[B, T-1]`` next-token logprobs and entropies of the trained tokens (0 elsewhere).
+
+        The LM head and log-softmax over the vocabulary dominate a small model's cost; prompt positions carry no
+        loss, so their logits are never formed (``logits_to_keep``). Packed (``config.packing``), a shared prompt is
+        forwarded once for every sample that starts with it.
         """
+        packed = self.packed(batch)
+        if packed is None:
+            return self._padded_logprobs(batch, temperature)
+        keep = packed.columns().to(self.device)
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+            out = self.model(
+                input_ids=packed.input_ids.to(self.device),
+                position_ids=packed.position_ids.to(self.device),
+                attention_mask=packed.attention.to(self.device),
+                logits_to_keep=keep,
+            )
+        targets = batch.input_ids[:, 1:][packed.source >= 0].to(self.device)
+        lp, entropy = token_logprobs(packed.needed(out.logits, keep)[None], targets[None], temperature)
+        return packed.scatter(lp[0]), packed.scatter(entropy[0])
+
+    def _padded_logprobs(self, batch: RolloutBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward_logprobs`` on one padded row per sample, logits from the first trained position on."""
         input_ids = batch.input_ids.to(self.device)
         start = batch.first_trained_position()
         keep = torch.arange(start, input_ids.shape[1] - 1, device=self.device)
@@ -118,10 +143,9 @@ class AdaptersOffReference:
     def __init__(self, policy: PolicyModel):
         self.policy = policy
 
-    @property
-    def micro_batch_size(self) -> int:
+    def micro_batches(self, batch: RolloutBatch) -> list[torch.Tensor]:
         """The policy's."""
-        return self.policy.micro_batch_size
+        return self.policy.micro_batches(batch)
 
     def train(self, mode: bool = True) -> None:
         """The policy's mode."""
@@ -187,10 +211,12 @@ class TorchBackend(PolicyModel):
         return weights, ({n: t.to("cpu", dtype).clone() for n, t in lora.items()} if self.adapter else None)
 
     @torch.no_grad()
-    def gather_bucket(self, bucket: Bucket, dtype: torch.dtype) -> torch.Tensor | None:
-        """Collective: gather the bucket's (possibly sharded) parameters; rank 0 returns them packed."""
+    def gather_bucket(self, bucket: Bucket, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Collective: gather the bucket's (possibly sharded) parameters; rank 0 returns them packed (into ``out``)."""
         params = dict(self._named_params())
-        flat = torch.empty(bucket.numel, dtype=dtype) if self.rank == 0 else None
+        flat = None
+        if self.rank == 0:
+            flat = torch.empty(bucket.numel, dtype=dtype) if out is None else out
         for m in bucket.tensors:
             full = _full(params[m.name])
             if flat is not None:
@@ -199,8 +225,10 @@ class TorchBackend(PolicyModel):
 
 
 def _full(p: torch.Tensor) -> torch.Tensor:
-    """The whole tensor of a parameter (an FSDP2 ``DTensor`` is all-gathered), detached."""
-    return (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
+    """The whole tensor of a parameter (an FSDP2 ``DTensor`` is all-gathered, unless one rank holds it all)."""
+    if hasattr(p, "full_tensor"):
+        p = p.to_local() if p.device_mesh.size() == 1 else p.full_tensor()
+    return p.detach()
 
 
 __all__ = ["AdaptersOffReference", "PolicyModel", "TorchBackend", "load_causal_lm", "token_logprobs"]

@@ -23,8 +23,11 @@ from pydantic import Field, model_validator
 
 from miles_ray.backends.lora import LoRAConfig
 from miles_ray.backends.optimizer import OptimizerConfig
+from miles_ray.backends.packing import PackingConfig, micro_batches_of
 from miles_ray.config import StrictConfig
+from miles_ray.devices import native_bf16, rank_device
 from miles_ray.models.quant import WeightFormatConfig
+from miles_ray.types import RolloutBatch
 
 
 class TorchBackendConfig(StrictConfig):
@@ -32,6 +35,11 @@ class TorchBackendConfig(StrictConfig):
 
     kind: Literal["torch"] = "torch"
     parallel: Literal["fsdp2", "ddp"] = Field("fsdp2", description="Data-parallel wrapping of the model.")
+    reshard_after_forward: bool = Field(
+        True,
+        description="FSDP2: free each layer's gathered parameters after its forward and gather them again for the "
+        "backward (ZeRO-3, least memory); False keeps them until the backward (ZeRO-2: one all-gather less per step).",
+    )
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="Parameter dtype of the trained model.")
     autocast: Literal["none", "bfloat16", "auto"] = Field(
         "none",
@@ -39,8 +47,20 @@ class TorchBackendConfig(StrictConfig):
         "where the rank's device computes it natively (CUDA with bf16, CPUs with AVX512-BF16 or AMX), else none "
         "(an AVX2-only CPU emulates bf16 matmuls, ~17x slower than fp32).",
     )
-    micro_batch_size: int = Field(8, ge=1, le=4096, description="Samples per forward/backward on one rank.")
+    micro_batch_size: int = Field(8, ge=1, le=4096, description="Samples per forward/backward on one rank at most.")
+    max_tokens_per_micro_batch: int | None = Field(
+        None, ge=1, description="Packed tokens per forward/backward at most, besides micro_batch_size; None: no bound."
+    )
+    packing: PackingConfig | None = Field(
+        default_factory=PackingConfig,
+        description="Packed rows with shared prompts (backends.packing); None: one padded row per sample.",
+    )
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
+    compile: bool = Field(
+        False,
+        description="torch.compile every decoder layer (dynamic shapes, inductor); the first steps pay the "
+        "compilation. Same losses as eager (tested); whether it is faster depends on the device.",
+    )
     num_threads: int = Field(1, ge=1, le=256, description="torch intra-op threads per rank.")
     lora: LoRAConfig | None = Field(
         None,
@@ -88,22 +108,9 @@ def policy_only(backend: TorchBackendConfig, owner: str) -> TorchBackendConfig:
     return backend
 
 
-def rank_device() -> torch.device:
-    """The device of the calling rank: the CUDA device Ray gave the actor, else the CPU."""
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-
-
 def param_dtype(config: TorchBackendConfig) -> torch.dtype:
     """The parameter dtype a backend config asks for."""
     return torch.float32 if config.dtype == "float32" else torch.bfloat16
-
-
-def native_bf16(device: torch.device) -> bool:
-    """Whether ``device`` computes bfloat16 matmuls natively (emulated bf16 on a CPU is many times slower than fp32)."""
-    if device.type == "cuda":
-        return torch.cuda.is_bf16_supported()
-    caps = torch.cpu.get_capabilities()
-    return bool(caps.get("avx512_bf16") or caps.get("amx_bf16"))
 
 
 def autocast_enabled(config: TorchBackendConfig, device: torch.device) -> bool:
@@ -193,6 +200,9 @@ class DataParallelModel(DataParallelOps):
             if not all(p.requires_grad for p in module.parameters()):  # frozen embeddings (LoRA): keep grads flowing
                 module.enable_input_require_grads()
         self.hf_model = module.to(self.device)
+        if config.compile:  # in place, before wrapping: parameter names and FSDP2's per-layer units stay as they are
+            for layer in self.hf_model.model.layers:
+                layer.compile(dynamic=True)
         self.optimizer = None
         if optim is None:  # frozen: no gradients; DDP refuses a module without trainable parameters
             self.hf_model.requires_grad_(False).eval()
@@ -203,10 +213,9 @@ class DataParallelModel(DataParallelOps):
             self.param_groups(), lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay
         )
 
-    @property
-    def micro_batch_size(self) -> int:
-        """Samples per forward (and backward)."""
-        return self.config.micro_batch_size
+    def micro_batches(self, batch: RolloutBatch) -> list[torch.Tensor]:
+        """The batch's rows cut into micro-batches of whole shared-prefix segments (``backends.packing``)."""
+        return micro_batches_of(batch, self.config)
 
     def param_groups(self) -> list[dict]:
         """AdamW parameter groups (one, at the config's lr; subclasses may give some parameters their own lr)."""
@@ -222,9 +231,10 @@ class DataParallelModel(DataParallelOps):
         from torch.distributed.fsdp import fully_shard
 
         mesh = init_device_mesh(self.device.type, (self.world_size,))
+        reshard = self.config.reshard_after_forward
         for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+            fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
+        fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
         return model
 
     def train(self, mode: bool = True) -> None:

@@ -34,6 +34,7 @@ import torch
 from pydantic import Field
 
 from miles_ray.config import StrictConfig
+from miles_ray.devices import native_bf16
 from miles_ray.engines.requests import (
     Completion,
     GenerateOutput,
@@ -49,12 +50,23 @@ from miles_ray.sync.checksum import named_tensors_checksum
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def resolved_dtype(dtype: str) -> torch.dtype:
+    """An engine dtype name as a torch dtype; ``auto``: bfloat16 where this process's device computes it natively."""
+    if dtype == "auto":
+        return torch.bfloat16 if native_bf16(torch.device("cpu")) else torch.float32
+    return _DTYPES[dtype]
+
+
 class EmbeddedEngineConfig(StrictConfig):
     """Configuration of one embedded engine."""
 
     kind: Literal["embedded"] = "embedded"
     model_path: str = Field(..., description="HF model directory (config.json + safetensors + tokenizer).")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weights and KV cache dtype.")
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field(
+        "float32",
+        description="Weights and KV cache dtype. 'auto': bfloat16 where the device computes it natively (CUDA with "
+        "bf16, CPUs with AVX512-BF16 or AMX), else float32; float32 gives exact logprobs (equal to an fp32 trainer's).",
+    )
     max_batch_size: int = Field(64, ge=1, le=4096, description="Sequences decoded together at most (KV slots).")
     max_seq_len: int = Field(1024, ge=8, le=131072, description="Prompt + response tokens per sequence at most.")
     kv_cache_memory_gb: float = Field(
@@ -118,8 +130,8 @@ class EmbeddedEngine:
         torch.set_num_threads(config.num_threads)
         if config.tune_malloc:
             _keep_freed_memory()
-        dtype = _DTYPES[config.dtype]
-        self.model = build_engine_model(config.model_path, dtype)
+        self.dtype = resolved_dtype(config.dtype)
+        self.model = build_engine_model(config.model_path, self.dtype)
         self._rounded: dict[str, RoundedLinear] = {}  # weight name -> layer computing with its rounded copy
         if config.weight_format is not None:
             for name in apply_weight_format(self.model, config.weight_format, "engine"):
@@ -149,8 +161,11 @@ class EmbeddedEngine:
         self._holding = False  # admit no waiting request (running ones go on): draining before a weight load
 
     # --- weights -------------------------------------------------------------------------------
-    def update_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+    def update_weights(self, named_tensors: list[tuple[str, torch.Tensor]], alias: bool = False) -> None:
         """Copy HF-named tensors into the model (casting to the engine dtype), between decode steps.
+
+        ``alias``: the caller owns the tensors' memory and leaves it unwritten until the next update (a sync's
+        persistent bucket buffers), so a parameter of the same dtype and device takes the tensor itself, no copy.
 
         Raises:
             ValueError: for an unknown name or a shape mismatch; nothing is copied then.
@@ -166,7 +181,11 @@ class EmbeddedEngine:
                 )
         with self._lock, torch.no_grad():
             for name, t in named_tensors:
-                self._params[name].copy_(t)
+                param = self._params[name]
+                if alias and t.dtype == param.dtype and t.device == param.device and t.is_contiguous():
+                    param.data = t  # the module keeps its Parameter; only the storage behind it changes
+                else:
+                    param.copy_(t)
                 if name in self._rounded:
                     self._rounded[name].refresh()
 
@@ -306,6 +325,7 @@ class EmbeddedEngine:
             "kv_tokens_used": sum(r.length for r in self._running),
             "num_slots": self.num_slots,
             "paused": self._paused,
+            "dtype": str(self.dtype).removeprefix("torch."),
         }
 
     def generate(self, requests: list[GenerateRequest]) -> list[GenerateOutput]:
@@ -443,7 +463,7 @@ class EmbeddedEngine:
         """Sample the next token of rows ``first..`` from ``logits`` ``[R, V]``; retire finished rows."""
         rows = self._running[first:]
         params = [r.req.request.params for r in rows]
-        tokens, lps = _sample(logits, params, [r.gen for r in rows], self.config.dtype == "float32")
+        tokens, lps = _sample(logits, params, [r.gen for r in rows], self.dtype == torch.float32)
         reasons = {}
         for b, (r, tok, lp) in enumerate(zip(rows, tokens.tolist(), lps.tolist())):
             r.tokens.append(tok)

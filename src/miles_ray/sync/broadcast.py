@@ -76,10 +76,10 @@ class BroadcastGroup:
         _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
         return cls(pg, store, rank, world_size)
 
-    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
-        """Broadcast ``tensor`` from ``src`` in place."""
-        dist.broadcast(tensor, src=src, group=self.pg)
-        return tensor
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False):
+        """Broadcast ``tensor`` from ``src`` in place; ``async_op``: return the work handle (``.wait()`` it)."""
+        work = dist.broadcast(tensor, src=src, group=self.pg, async_op=async_op)
+        return work if async_op else tensor
 
     def barrier(self) -> None:
         """Wait for every rank."""

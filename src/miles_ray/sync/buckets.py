@@ -118,9 +118,9 @@ def plan_buckets(
     return SyncPlan(tuple(buckets), adapter)
 
 
-def pack(bucket: Bucket, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Copy a bucket's tensors into one new flat buffer."""
-    flat = torch.empty(bucket.numel, dtype=bucket.dtype)
+def pack(bucket: Bucket, tensors: dict[str, torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
+    """Copy a bucket's tensors into one flat buffer: ``out`` (``bucket.numel`` of ``bucket.dtype``) or a new one."""
+    flat = torch.empty(bucket.numel, dtype=bucket.dtype) if out is None else out
     for m in bucket.tensors:
         flat[m.offset : m.offset + m.numel].copy_(tensors[m.name].reshape(-1))
     return flat

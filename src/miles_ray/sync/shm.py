@@ -1,18 +1,146 @@
-"""Shared-memory transport for colocated sync: buckets go through the Ray object store zero-copy.
+"""Shared-memory transport for colocated sync: persistent shared buffers on a node, the object store across.
 
-``ray.put`` of a NumPy array writes it once into shared memory; ``ray.get`` on the same node maps it
-without copying, so an engine reads the trainer's bucket straight from shared memory. (``ray.put`` of a
-torch tensor would pickle it, several times slower.) bfloat16 has no NumPy dtype, so buckets travel as
-raw bytes and are viewed back as their dtype.
+Trainer rank 0 gathers each bucket straight into a shared-memory buffer it keeps from sync to sync
+(``BucketBuffers(shared=True)``), and hands engines a ``SharedBucket``: a few bytes naming the buffer. An engine on
+the same node maps it (once; later syncs reuse the mapping) and points its parameters at the bucket's views, so a
+sync moves the weights once, trainer memory to shared memory, and the engine copies nothing. Two buffer sets
+alternate: engines compute with set A while the next sync fills set B, and every engine moves to B before A is
+written again.
+
+On Linux a buffer is an anonymous memory file (``memfd_create``) that other processes open through
+``/proc/<pid>/fd/<fd>``: the kernel frees it when the last process holding or mapping it is gone, so nothing is
+left behind when actors are killed (named files in ``/dev/shm``, as torch's ``file_system`` sharing uses, outlive
+a SIGKILLed owner, and a run's worth of buckets then stays in memory until reboot). Elsewhere it is a file in the
+temporary directory, removed when the buffer is freed.
+
+Engines on other nodes get the bucket through the Ray object store instead (``put_bucket``: ``ray.put`` of a NumPy
+byte array, mapped without a copy by readers on the object's node; ``ray.put`` of a torch tensor would pickle it,
+several times slower). bfloat16 has no NumPy dtype, so buckets travel as raw bytes and are viewed back as their dtype.
+
+Usage (trainer rank 0, then an engine on the same node)::
+
+    buffers = BucketBuffers(shared=True)
+    flats = buffers.next(plan)                     # one uint8 buffer per bucket, filled by the gather
+    handles = buffers.handles()                    # what engines receive (the same list for every engine)
+    tensors = open_buckets(handles)                # in the engine: the same memory
 """
 
 from __future__ import annotations
 
+import mmap
+import os
+import tempfile
+import uuid
 import warnings
+import weakref
+from collections import deque
+from dataclasses import dataclass
 
 import numpy as np
 import ray
 import torch
+import torch.multiprocessing
+
+from miles_ray.sync.buckets import SyncPlan
+
+
+def shared_empty(nbytes: int) -> torch.Tensor:
+    """An uninitialised ``uint8`` buffer in torch's shared memory, for a torch process that unpickles tensors.
+
+    ``share_memory_`` of a tensor would copy it. Sync buffers use ``shared_buffer`` instead.
+    """
+    # by a file name in /dev/shm: the default strategy (fd passing) only works between related processes
+    torch.multiprocessing.set_sharing_strategy("file_system")
+    return torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(nbytes))
+
+
+@dataclass(frozen=True)
+class SharedBucket:
+    """A shared-memory bucket buffer, as the path a process on the same node opens and maps."""
+
+    path: str
+    nbytes: int
+    token: str  # unique per buffer: a later buffer may get the same descriptor number, never the same token
+
+    def open(self) -> torch.Tensor:
+        """A new mapping of the buffer as a ``uint8`` tensor (``open_buckets`` keeps mappings from sync to sync)."""
+        try:
+            with open(self.path, "r+b") as f:
+                return torch.frombuffer(mmap.mmap(f.fileno(), self.nbytes), dtype=torch.uint8)
+        except OSError as e:
+            raise RuntimeError(
+                f"cannot map the trainer's shared bucket {self.path}: {e}. Shared-memory sync needs the engine on the "
+                "trainer's node as the same user; use WeightBroadcasterConfig(transport='broadcast') otherwise"
+            ) from e
+
+
+def shared_buffer(nbytes: int) -> tuple[torch.Tensor, SharedBucket]:
+    """An uninitialised ``uint8`` buffer in shared memory and the handle other processes open it by."""
+    token = uuid.uuid4().hex
+    if hasattr(os, "memfd_create"):
+        fd = os.memfd_create(f"miles_ray_bucket_{token[:8]}", os.MFD_CLOEXEC)
+        path, release = f"/proc/{os.getpid()}/fd/{fd}", (os.close, fd)
+    else:
+        fd, path = tempfile.mkstemp(prefix="miles_ray_bucket_")
+        release = (_close_and_remove, fd, path)
+    os.ftruncate(fd, nbytes)
+    tensor = torch.frombuffer(mmap.mmap(fd, nbytes), dtype=torch.uint8)
+    weakref.finalize(tensor, *release)  # mappings (ours and the engines') outlive the descriptor
+    return tensor, SharedBucket(path, nbytes, token)
+
+
+def _close_and_remove(fd: int, path: str) -> None:
+    os.close(fd)
+    os.unlink(path)
+
+
+_recent: deque[dict[str, torch.Tensor]] = deque(maxlen=2)  # token -> mapping, of the last two sets opened
+
+
+def open_buckets(handles: list[SharedBucket]) -> list[torch.Tensor]:
+    """Map a sync's buckets, reusing the mappings of the last two syncs (the two alternating sets).
+
+    Older mappings leave the cache; their memory stays while a parameter still views it.
+    """
+    known = {token: t for opened in _recent for token, t in opened.items()}
+    current = {h.token: known[h.token] if h.token in known else h.open() for h in handles}
+    _recent.append(current)
+    return [current[h.token] for h in handles]
+
+
+class BucketBuffers:
+    """Two sets of persistent bucket buffers alternating from sync to sync (``shared``: in shared memory).
+
+    A sender fills one set while engines may still compute with the other (their parameters view it); a receiver
+    takes a broadcast into one set while its parameters view the other. Allocated on first use (and again if the
+    plan's buckets change), so a sync writes into memory that is already mapped. ``alternate=False``: one set,
+    for a sender whose buffers nobody views after the sync (a broadcast's).
+    """
+
+    def __init__(self, shared: bool, alternate: bool = True):
+        self.shared = shared
+        self._sets: list[list[torch.Tensor]] = [[], []] if alternate else [[]]
+        self._handles: list[list[SharedBucket]] = [[] for _ in self._sets]
+        self._turn = 0
+        self._last = 0
+
+    def next(self, plan: SyncPlan) -> list[torch.Tensor]:
+        """The buffer set this sync fills: one ``uint8`` buffer of ``bucket.nbytes`` per bucket of ``plan``."""
+        turn, buffers = self._turn, self._sets[self._turn]
+        if [b.numel() for b in buffers] != [bucket.nbytes for bucket in plan.buckets]:  # first use, or another plan
+            if self.shared:
+                made = [shared_buffer(bucket.nbytes) for bucket in plan.buckets]
+                buffers[:], self._handles[turn][:] = [t for t, _ in made], [h for _, h in made]
+            else:
+                buffers[:] = [torch.empty(bucket.nbytes, dtype=torch.uint8) for bucket in plan.buckets]
+        self._last, self._turn = turn, (turn + 1) % len(self._sets)
+        return buffers
+
+    def handles(self) -> list[SharedBucket]:
+        """The handles of the set ``next`` returned last (shared buffers only), for every engine on this node."""
+        if not self.shared:
+            raise ValueError("handles() of private buffers: only BucketBuffers(shared=True) can be opened elsewhere")
+        return list(self._handles[self._last])
 
 
 def put_bucket(flat: torch.Tensor) -> ray.ObjectRef:

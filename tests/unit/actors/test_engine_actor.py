@@ -27,6 +27,7 @@ def test_the_interface_lists_exactly_what_the_stack_calls():
         "resume_memory",
         "takes_adapters",
         "takes_full_weights",
+        "weights_dtype",
         "checksum_kind",
         "sync_ranks",
         "join_sync_group",

@@ -75,3 +75,22 @@ def test_cpu_shim_maps_only_what_megatron_needs():
         t = torch.zeros(2, device="cuda")
         assert t.device.type == "cpu" and t.type() == "torch.cuda.FloatTensor" and t.cuda() is t
     assert torch.zeros(1).type() == "torch.FloatTensor"  # outside the context nothing is rewritten
+
+
+def test_packed_shared_prefix_step_equals_the_padded_step(tiny_model_path):
+    """Megatron's packed rows (shared prompts forwarded once, its own attention-mask convention) give the padded
+    logprobs, loss and gradient norm."""
+    from .test_packing import _grouped_batch
+
+    batch = _grouped_batch()
+    m = batch.response_mask > 0
+    runs = {}
+    for name, packing in (("padded", None), ("packed", {})):
+        torch.manual_seed(0)
+        backend = MegatronBackend(
+            MegatronBackendConfig(micro_batch_size=16, packing=packing), OptimizerConfig(), tiny_model_path
+        )
+        runs[name] = (logprobs(backend, batch, temperature=1.0)[m], RLStep(backend, ObjectiveConfig()).update(batch))
+    torch.testing.assert_close(runs["packed"][0], runs["padded"][0], atol=1e-5, rtol=1e-5)
+    for key in ("loss", "grad_norm", "entropy", "num_tokens"):
+        assert runs["packed"][1][key] == pytest.approx(runs["padded"][1][key], rel=1e-5, abs=1e-7), key

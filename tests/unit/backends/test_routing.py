@@ -30,8 +30,9 @@ def rollout(tiny_moe_path):
     return out, samples
 
 
-def _backend(path, replay: bool, checkpointing=False, lr=1e-2) -> TorchBackend:
-    cfg = TorchBackendConfig(routing_replay=replay, gradient_checkpointing=checkpointing, micro_batch_size=2)
+def _backend(path, replay: bool, checkpointing=False, lr=1e-2, packing="default") -> TorchBackend:
+    extra = {} if packing == "default" else {"packing": packing}
+    cfg = TorchBackendConfig(routing_replay=replay, gradient_checkpointing=checkpointing, micro_batch_size=2, **extra)
     return TorchBackend(cfg, OptimizerConfig(lr=lr), path)
 
 
@@ -59,9 +60,10 @@ def test_engine_records_a_route_for_every_fed_token(rollout):
 
 
 def test_replayed_routes_are_exactly_the_recorded_ones(tiny_moe_path, rollout):
-    """fp32: trainer logprobs equal the engine's with replay; forced foreign routes are used as given."""
+    """fp32: trainer logprobs equal the engine's with replay; forced foreign routes are used as given (one padded
+    row per sample, so the experts used line up with the batch's routes)."""
     _, samples = rollout
-    backend = _backend(tiny_moe_path, replay=True)
+    backend = _backend(tiny_moe_path, replay=True, packing=None)
     used = _capture(backend)
     batch = RolloutBatch.from_samples(samples, pad_id=0)
     lp = logprobs(backend, batch, temperature=1.0)
@@ -86,6 +88,32 @@ def test_replayed_routes_are_exactly_the_recorded_ones(tiny_moe_path, rollout):
         assert torch.equal(got[recorded], want[recorded])  # exactly the recorded experts, in recorded order
     differ, recorded_pairs = backend.routes.take_mismatch()
     assert recorded_pairs == int((fbatch.routes[..., 0] >= 0).sum()) and differ > 0.9 * recorded_pairs
+
+
+def test_packed_forward_replays_the_routes_of_every_packed_token(tiny_moe_path, rollout):
+    """Packed with a shared prompt: the router sees each token once at its packed position, with its recorded route
+    (the prompt's from the one prefill every sample shares), and the logprobs still equal the engine's."""
+    from miles_ray.backends.packing import pack_rows
+
+    _, samples = rollout
+    backend = _backend(tiny_moe_path, replay=True)
+    used = _capture(backend)
+    forced = [
+        Sample(s.prompt_ids, s.response_ids, s.rollout_logprobs, routes=(s.routes.long() + 3) % 8) for s in samples
+    ]
+    batch = RolloutBatch.from_samples(forced, pad_id=0)
+    logprobs(backend, batch, temperature=1.0)
+    num_layers = len(backend.routes.routers)
+    for mb, rows in enumerate(backend.micro_batches(batch)):  # one forward per micro-batch, layers in order
+        packed = pack_rows(batch.select(rows), max_row_tokens=backend.config.packing.max_row_tokens)
+        got = torch.stack(used[mb * num_layers : (mb + 1) * num_layers], dim=1)
+        want = packed.routes.reshape(-1, num_layers, 2).long()
+        recorded = want[..., 0] >= 0
+        assert recorded.sum() > 0 and torch.equal(got.view_as(want)[recorded], want[recorded])
+    own = _backend(tiny_moe_path, replay=True)
+    plain = RolloutBatch.from_samples(samples, pad_id=0)
+    m = plain.response_mask > 0
+    torch.testing.assert_close(logprobs(own, plain, 1.0)[m], plain.rollout_logprobs[m], atol=1e-4, rtol=1e-4)
 
 
 def test_without_replay_the_trainer_routes_itself_and_counts_the_mismatch(tiny_moe_path, rollout):

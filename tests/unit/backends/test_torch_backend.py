@@ -102,7 +102,7 @@ def test_logprobs_match_a_plain_hf_forward(tiny_model_path):
 
 def test_autocast_auto_follows_native_bf16(tiny_model_path):
     """'auto' is bf16 autocast exactly where the CPU computes bf16 natively; 'bfloat16' always is (logprobs move)."""
-    from miles_ray.backends.torch_parallel import native_bf16
+    from miles_ray.devices import native_bf16
 
     caps = torch.cpu.get_capabilities()
     assert native_bf16(torch.device("cpu")) == bool(caps["avx512_bf16"] or caps["amx_bf16"])
@@ -222,3 +222,18 @@ def test_reference_logprobs_passed_in_equal_the_on_rank_reference(tiny_model_pat
         runs.append(out)
     assert runs[0][1] > 0 and runs[0][1] == pytest.approx(runs[1][1], rel=1e-6)
     torch.testing.assert_close(runs[0][2], runs[1][2])
+
+
+def test_compiled_layers_give_the_eager_step(tiny_model_path):
+    """backend.compile: torch.compile of every decoder layer; the same loss, gradient norm and update as eager."""
+    runs = []
+    for compile_ in (False, True):
+        torch.manual_seed(0)
+        backend = TorchBackend(TorchBackendConfig(compile=compile_), OptimizerConfig(lr=1e-3), tiny_model_path)
+        before = _params(backend)
+        metrics = _step(backend).update(_batch(GRPOAdvantageConfig()))
+        runs.append((metrics, _params(backend) - before))
+    (eager, d_eager), (compiled, d_compiled) = runs
+    assert compiled["loss"] == pytest.approx(eager["loss"], abs=1e-6)
+    assert compiled["grad_norm"] == pytest.approx(eager["grad_norm"], rel=1e-4)
+    torch.testing.assert_close(d_compiled, d_eager, atol=1e-5, rtol=1e-3)

@@ -1,0 +1,98 @@
+"""Shared bucket buffers: another process maps the same memory through the handle; the two sets alternate; the
+memory goes when its last holder does, even one killed with SIGKILL."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from miles_ray.sync import shm
+from miles_ray.sync.buckets import plan_buckets
+from miles_ray.sync.shm import BucketBuffers, SharedBucket, open_buckets
+
+PLAN = plan_buckets([("w", (4,), torch.float32)], 1 << 20)
+READ_AND_WRITE = (
+    "import json, sys, torch\n"
+    "from miles_ray.sync.shm import SharedBucket\n"
+    "t = SharedBucket(**json.loads(sys.argv[1])).open().view(torch.float32)\n"
+    "print(t.tolist()); t[0] = 42.0\n"
+)
+
+
+def _as_json(handle: SharedBucket) -> str:
+    return json.dumps({"path": handle.path, "nbytes": handle.nbytes, "token": handle.token})
+
+
+def test_another_process_sees_and_writes_the_same_memory():
+    buffers = BucketBuffers(shared=True)
+    buffer = buffers.next(PLAN)[0]
+    buffer.view(torch.float32).copy_(torch.tensor([1.0, 2.0, 3.0, 4.0]))
+    handle = buffers.handles()[0]
+    out = subprocess.run([sys.executable, "-c", READ_AND_WRITE, _as_json(handle)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[1.0, 2.0, 3.0, 4.0]"  # what the sender wrote
+    assert buffer.view(torch.float32)[0].item() == 42.0  # and its write is the sender's memory: no copy
+
+
+def _shmem_mb() -> float:
+    """The node's shared memory in use (/proc/meminfo Shmem: memory files and /dev/shm alike)."""
+    with open("/proc/meminfo") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("Shmem:")) / 1024
+
+
+@pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="memory files are Linux's")
+def test_a_killed_owner_leaves_no_memory_behind():
+    """The owner of a 256 MB buffer is SIGKILLed (as Ray kills actors): a process that mapped it keeps the bytes
+    until it lets go, then the node's shared memory is back where it was (torch's file_system buffers stayed)."""
+    code = (
+        "import json, time, torch\n"
+        "from miles_ray.sync.shm import BucketBuffers\n"
+        "from miles_ray.sync.buckets import plan_buckets\n"
+        "b = BucketBuffers(shared=True)\n"
+        "b.next(plan_buckets([('w', (64 << 20,), torch.float32)], 1 << 30))[0].view(torch.float32).fill_(7.0)\n"
+        "h = b.handles()[0]\n"
+        "print(json.dumps({'path': h.path, 'nbytes': h.nbytes, 'token': h.token}), flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    before = _shmem_mb()
+    owner = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        handle = SharedBucket(**json.loads(owner.stdout.readline()))
+        mapped = handle.open().view(torch.float32)
+    finally:
+        owner.send_signal(signal.SIGKILL)
+        owner.wait(timeout=60)
+    assert _shmem_mb() - before > 200  # held by our mapping alone now
+    assert mapped[-1].item() == 7.0  # the mapping outlives its owner
+    with pytest.raises(RuntimeError, match="cannot map the trainer's shared bucket"):
+        handle.open()  # nobody can open it again
+    del mapped
+    assert _shmem_mb() - before < 50
+
+
+def test_engines_reuse_the_mappings_of_the_two_alternating_sets():
+    buffers = BucketBuffers(shared=True)
+    buffers.next(PLAN)
+    first = buffers.handles()
+    buffers.next(PLAN)
+    second = buffers.handles()
+    assert first != second
+    a, b = open_buckets(first)[0], open_buckets(second)[0]
+    assert open_buckets(first)[0] is a and open_buckets(second)[0] is b  # mapped once each
+    assert len(shm._recent) == 2
+
+
+def test_two_sets_alternate_and_are_kept():
+    plan = plan_buckets([("a", (8,), torch.float32), ("b", (4,), torch.bfloat16)], 16)
+    buffers = BucketBuffers(shared=False)
+    first, second, third = buffers.next(plan), buffers.next(plan), buffers.next(plan)
+    assert [b.numel() for b in first] == [bucket.nbytes for bucket in plan.buckets]
+    assert first[0].data_ptr() != second[0].data_ptr() and third[0].data_ptr() == first[0].data_ptr()
+    single = BucketBuffers(shared=False, alternate=False)
+    assert single.next(plan)[0].data_ptr() == single.next(plan)[0].data_ptr()
+    with pytest.raises(ValueError, match="only BucketBuffers\\(shared=True\\)"):
+        buffers.handles()

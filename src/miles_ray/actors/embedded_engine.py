@@ -155,7 +155,7 @@ class EmbeddedEngineActor(EngineActorBase):
     def _apply(self, named_tensors: list[tuple[str, torch.Tensor]], alias: bool = False) -> None:
         self.engine.update_weights(named_tensors, alias=alias)
 
-    async def _load(self, run, plan: SyncPlan, version: int, verify: bool, in_flight: InFlight) -> dict:
+    async def _load(self, run, plan: SyncPlan, version: int, verify: bool, in_flight: InFlight, known=None) -> dict:
         # no decode step may see half-updated weights: the engine is paused around the load. Requests in
         # flight: `continue` keeps them in their slots and they go on with the new weights; `finish` admits no
         # new request and waits until the running ones are done on the old weights; `abort_resume` aborts them
@@ -182,8 +182,8 @@ class EmbeddedEngineActor(EngineActorBase):
             if not was_paused:
                 self.loop.resume()
         seconds = time.perf_counter() - drained
-        # hashing here, right after loading, runs in parallel with the trainer's hash of what it sent
-        # an adapter sync is verified on the adapter tensors; the base weights never change
+        # an adapter sync is verified on the adapter tensors; the base weights never change. Parameters that view
+        # the received buckets take the buckets' digests (`known`); the rest are read again here
         names = plan.names if plan.adapter is not None else None
-        checksum = await asyncio.to_thread(self.engine.weights_checksum, names) if verify else None
+        checksum = await asyncio.to_thread(self.engine.weights_checksum, names, known) if verify else None
         return {"engine_id": self.engine_id, "seconds": seconds, "checksum": checksum, "drain_seconds": drained - start}

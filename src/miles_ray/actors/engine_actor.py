@@ -31,6 +31,7 @@ import torch
 
 from miles_ray.engines.requests import GenerateOutput, GenerateRequest, PauseMode, check_pause_mode
 from miles_ray.sync.buckets import SyncPlan, unpack
+from miles_ray.sync.digest import Known, TensorDigests
 from miles_ray.sync.shm import BucketBuffers, SharedBucket, as_tensor, open_buckets
 
 # Requests generating while a weight sync lands: `continue` (kept in their slots, they go on with the new weights),
@@ -103,9 +104,15 @@ class EngineInterface(Protocol):
         ...
 
     async def load_buckets(
-        self, plan: SyncPlan, bucket_refs: list, version: int, verify: bool = True, in_flight: InFlight = "continue"
+        self,
+        plan: SyncPlan,
+        bucket_refs: list,
+        version: int,
+        verify: bool = True,
+        in_flight: InFlight = "continue",
+        digests: dict[str, bytes] | None = None,
     ) -> dict:
-        """Load the buckets from the object store (colocated); as ``receive_broadcast``."""
+        """Load a colocated sync's buckets (shared-memory handles or object refs); as ``receive_broadcast``."""
         ...
 
     async def weight_version(self) -> int:
@@ -141,8 +148,9 @@ class EngineActorBase:
     """What every engine actor shares (apply ``ray.remote`` via ``RolloutPool``).
 
     A subclass sets ``kind`` and what it supports, implements ``_pause`` and either ``_apply`` (one unpacked
-    bucket, on a worker thread) plus ``_load(run, plan, version, verify, in_flight)`` (runs ``run`` and returns
-    ``{"engine_id", "seconds", "checksum"}``), or its own ``_receive_broadcast`` / ``_load_arrays``.
+    bucket, on a worker thread) plus ``_load(run, plan, version, verify, in_flight, known)`` (runs ``run`` and returns
+    ``{"engine_id", "seconds", "checksum"}``; ``known``: ``sync.digest.Known`` digests of the received tensors by
+    name), or its own ``_receive_broadcast`` / ``_load_flats``.
     """
 
     kind = "engine"
@@ -212,13 +220,20 @@ class EngineActorBase:
         return await self._receive_broadcast(plan, version, verify, in_flight)
 
     async def load_buckets(
-        self, plan: SyncPlan, bucket_refs: list, version: int, verify: bool = True, in_flight: InFlight = "continue"
+        self,
+        plan: SyncPlan,
+        bucket_refs: list,
+        version: int,
+        verify: bool = True,
+        in_flight: InFlight = "continue",
+        digests: dict[str, bytes] | None = None,
     ) -> dict:
         """Load the buckets of a colocated sync; then set ``version``.
 
         ``bucket_refs`` are ``SharedBucket`` handles of the sender's shared-memory buffers (an engine on the
         sender's node: mapped, and the engine may compute on them in place) or object-store refs (another node:
-        mapped from the object store, then copied).
+        mapped from the object store, then copied). ``digests``: the sender's per-tensor digests of the shared
+        buckets, which parameters computing on them in place take as their own (``sync.digest``).
 
         Returns:
             As ``receive_broadcast``.
@@ -229,8 +244,8 @@ class EngineActorBase:
         if shared:
             flats = open_buckets(bucket_refs)
         else:
-            flats = [as_tensor(a, torch.uint8) for a in await asyncio.gather(*bucket_refs)]  # mapped, not copied
-        return await self._load_flats(plan, flats, shared, version, verify, in_flight)
+            flats, digests = [as_tensor(a, torch.uint8) for a in await asyncio.gather(*bucket_refs)], None  # mapped
+        return await self._load_flats(plan, flats, shared, version, verify, in_flight, digests)
 
     async def _receive_broadcast(self, plan: SyncPlan, version: int, verify: bool, in_flight: InFlight) -> dict:
         if self._sync_group is None:
@@ -239,29 +254,46 @@ class EngineActorBase:
             self._receive_buffers = BucketBuffers(shared=False)
         flats = self._receive_buffers.next(plan)  # not the set the parameters may view now
 
-        def receive() -> None:  # before pausing: generation goes on while the bytes arrive
-            for flat in flats:
-                self._sync_group.broadcast(flat)
+        def receive() -> dict[str, bytes] | None:  # before pausing: generation goes on while the bytes arrive
+            works = [self._sync_group.broadcast(flat, async_op=True) for flat in flats]  # received in order
+            digests = TensorDigests() if verify else None
+            for bucket, flat, work in zip(plan.buckets, flats, works):
+                work.wait()
+                if digests is not None:  # bucket i is hashed while bucket i + 1 arrives
+                    digests.add(unpack(bucket, flat.view(bucket.dtype)))
+            return None if digests is None else digests.by_name()
 
-        await asyncio.to_thread(receive)
-        return await self._load_flats(plan, flats, True, version, verify, in_flight)
+        digests = await asyncio.to_thread(receive)
+        return await self._load_flats(plan, flats, True, version, verify, in_flight, digests)
 
     async def _load_flats(
-        self, plan: SyncPlan, flats: list[torch.Tensor], own: bool, version: int, verify: bool, in_flight: InFlight
+        self,
+        plan: SyncPlan,
+        flats: list[torch.Tensor],
+        own: bool,
+        version: int,
+        verify: bool,
+        in_flight: InFlight,
+        digests: dict[str, bytes] | None = None,
     ) -> dict:
         """Apply the received buckets (``uint8`` each) inside ``_load``.
 
-        ``own``: the memory stays valid and unwritten until the next sync, so parameters may view it (no copy).
+        ``own``: the memory stays valid and unwritten until the next sync, so parameters may view it (no copy), and
+        those that do take their tensor's entry of ``digests`` when the engine verifies.
         """
+        named = [unpack(bucket, flat.view(bucket.dtype)) for bucket, flat in zip(plan.buckets, flats)]
+        known = {n: Known(t, digests[n]) for b in named for n, t in b if n in digests} if own and digests else None
 
         def run() -> None:
-            for bucket, flat in zip(plan.buckets, flats):
-                self._apply(unpack(bucket, flat.view(bucket.dtype)), alias=own)
+            for bucket_tensors in named:
+                self._apply(bucket_tensors, alias=own)
 
-        return await self._load(run, plan, version, verify, in_flight)
+        return await self._load(run, plan, version, verify, in_flight, known)
 
     def _apply(self, named_tensors: list[tuple[str, torch.Tensor]], alias: bool = False) -> None:
         raise NotImplementedError
 
-    async def _load(self, run: Any, plan: SyncPlan, version: int, verify: bool, in_flight: InFlight) -> dict:
+    async def _load(
+        self, run: Any, plan: SyncPlan, version: int, verify: bool, in_flight: InFlight, known: dict | None = None
+    ) -> dict:
         raise NotImplementedError

@@ -158,12 +158,20 @@ class SGLangEngineActor(ServerEngineActor):
         return await self._update(load, plan, version, verify)
 
     async def _load_flats(
-        self, plan: SyncPlan, flats: list[torch.Tensor], own: bool, version: int, verify: bool, in_flight: str
+        self,
+        plan: SyncPlan,
+        flats: list[torch.Tensor],
+        own: bool,
+        version: int,
+        verify: bool,
+        in_flight: str,
+        digests: dict[str, bytes] | None = None,
     ) -> dict:
         """Load buckets (colocated sync) through ``/update_weights_from_tensor``.
 
         Each bucket is copied once into torch's shared memory, which the server maps: it takes tensors only as torch's
-        pickled handles, which the trainer's buffers (memory files, ``sync.shm``) are not.
+        pickled handles, which the trainer's buffers (memory files, ``sync.shm``) are not. ``digests`` go unused: the
+        server's weights are checked by probe rows.
 
         Returns:
             As ``receive_broadcast``.

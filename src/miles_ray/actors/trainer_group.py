@@ -19,6 +19,7 @@ import logging
 import math
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
 
 import ray
@@ -213,21 +214,36 @@ class TrainerWorker(Worker):
         checksums = sent_checksums(plan, sent, [k for k in kinds if k != "full"])
         return {**checksums, "full": digests.hexdigest()} if digests is not None else checksums
 
-    def share_weight_buckets(self, plan: SyncPlan, to_store: bool) -> dict | None:
+    def share_weight_buckets(self, plan: SyncPlan, to_store: bool, verify: bool) -> dict | None:
         """Collective: gather each bucket into rank 0's shared-memory buffers (colocated sync).
 
         Returns:
-            On rank 0 ``{"shared": [SharedBucket], "refs": [ObjectRef] | None}``: the buffers' handles, for every
-            engine on this node, and object-store copies for the others (``to_store``); None on the other ranks.
-            ``shared_checksums`` then hashes what was sent, while the engines load it.
+            On rank 0 ``{"shared": [SharedBucket], "refs": [ObjectRef] | None, "digests", "full"}``: the buffers'
+            handles, for every engine on this node; object-store copies for the others (``to_store``); if
+            ``verify``, the per-tensor digests (taken on a second thread, bucket i while bucket i + 1 is gathered)
+            and the ``full`` checksum they combine to. None on the other ranks. ``shared_checksums`` gives any
+            other checksum kind of what was sent.
 
         """
-        flats = [flat for _, flat in self._gather(plan, self._buffers(plan, shared=True))]
+        digests = TensorDigests() if verify and self.rank == 0 else None
+        flats, hashed = [], []
+        with ThreadPoolExecutor(1, thread_name_prefix="digest") as hasher:  # xxhash and copies release the GIL
+            for bucket, flat in self._gather(plan, self._buffers(plan, shared=True)):
+                flats.append(flat)
+                if digests is not None:
+                    hashed.append(hasher.submit(digests.add, unpack(bucket, flat)))
+            for done in hashed:
+                done.result()  # re-raises a failed hash
         if self.rank != 0:
             return None
         self._shared = (plan, flats)
-        handles = self._sync_buffers[True].handles()
-        return {"shared": handles, "refs": [put_bucket(f) for f in flats] if to_store else None}
+        out = {
+            "shared": self._sync_buffers[True].handles(),
+            "refs": [put_bucket(f) for f in flats] if to_store else None,
+        }
+        if digests is not None:
+            out.update(digests=digests.by_name(), full=digests.hexdigest())
+        return out
 
     def shared_checksums(self, kinds: tuple[str, ...]) -> dict[str, str]:
         """Rank 0: the ``kinds`` checksums of the buckets the last ``share_weight_buckets`` sent."""

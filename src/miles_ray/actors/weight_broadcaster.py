@@ -212,16 +212,19 @@ class WeightBroadcaster:
             self._same_node = [h["node_ip"] == trainer_ip for h in ray.get([e.health.remote() for e in self._engines])]
         start = time.perf_counter()
         c = self.config
-        sends = [w.share_weight_buckets.remote(self._plan, not all(self._same_node)) for w in self._workers]
+        sends = [w.share_weight_buckets.remote(self._plan, not all(self._same_node), c.verify) for w in self._workers]
         out = [r for r in ray.get(sends) if r][0]
         put_s = time.perf_counter() - start
         loads = [
-            e.load_buckets.remote(self._plan, out["shared"] if same else out["refs"], version, c.verify, c.in_flight)
+            e.load_buckets.remote(self._plan, out["shared"], version, c.verify, c.in_flight, out.get("digests"))
+            if same
+            else e.load_buckets.remote(self._plan, out["refs"], version, c.verify, c.in_flight)
             for e, same in zip(self._engines, self._same_node)
         ]
         sent = None
-        if c.verify:  # rank 0 hashes what it sent while the engines load and hash what they got
-            sent = ray.get(self._workers[0].shared_checksums.remote(tuple(sorted(set(self._kinds)))))
+        if c.verify:  # rank 0 hashed what it sent while gathering; other kinds while the engines load
+            other = tuple(sorted(set(self._kinds) - {"full"}))
+            sent = {"full": out["full"], **(ray.get(self._workers[0].shared_checksums.remote(other)) if other else {})}
         return put_s, sent, ray.get(loads)
 
     def _push_through_store(self, engines: list, kinds: list[str], version: int) -> tuple[float, dict | None, list]:

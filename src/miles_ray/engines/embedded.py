@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import collections
 import threading
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -45,7 +45,7 @@ from miles_ray.engines.requests import (
 )
 from miles_ray.models.quant import RoundedLinear, WeightFormatConfig, apply_weight_format
 from miles_ray.sync.buckets import AdapterSpec
-from miles_ray.sync.checksum import named_tensors_checksum
+from miles_ray.sync.digest import Known, TensorDigests
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -197,14 +197,18 @@ class EmbeddedEngine:
         """The version of the loaded weights."""
         return self._version
 
-    def weights_checksum(self, names: Collection[str] | None = None) -> str:
-        """Checksum over the HF-named parameters (tied weights counted once), or only those in ``names``."""
+    def weights_checksum(self, names: Collection[str] | None = None, known: Mapping[str, Known] | None = None) -> str:
+        """Checksum over the HF-named parameters (tied weights counted once), or only those in ``names``.
+
+        ``known``: digests of received tensors by name; a parameter that views exactly that tensor takes its digest
+        instead of being read again (``sync.digest``).
+        """
         with self._lock:
             params = self.model.named_parameters()
             if names is not None:
                 wanted = set(names)
                 params = ((n, p) for n, p in params if n in wanted)
-            return named_tensors_checksum(params)
+            return TensorDigests().add(params, known).hexdigest()
 
     def install_adapter(self, spec: AdapterSpec) -> bool:
         """Give the model LoRA adapters of ``spec`` (zero, so outputs are unchanged) before the first adapter sync.

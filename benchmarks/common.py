@@ -8,13 +8,13 @@ from pathlib import Path
 
 
 def emit(name: str, rows: list[dict], out_dir: str = "benchmarks/results") -> Path:
-    """Print ``rows`` as an aligned table and write ``{out_dir}/{name}.json``."""
-    cols = list(rows[0])
-    widths = {c: max(len(c), *(len(_fmt(r[c])) for r in rows)) for c in cols}
+    """Print ``rows`` as an aligned table and write ``{out_dir}/{name}.json``; a row may lack columns (shown ``-``)."""
+    cols = list(dict.fromkeys(c for r in rows for c in r))  # every column, in order of first appearance
+    widths = {c: max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in cols}
     print(" | ".join(c.ljust(widths[c]) for c in cols))
     print("-+-".join("-" * widths[c] for c in cols))
     for r in rows:
-        print(" | ".join(_fmt(r[c]).ljust(widths[c]) for c in cols))
+        print(" | ".join(_fmt(r.get(c)).ljust(widths[c]) for c in cols))
     path = Path(out_dir) / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"machine": platform.processor() or platform.machine(), "rows": rows}, indent=2))

@@ -62,6 +62,7 @@ def summary(name: str, records: list[dict], samples_per_step: int) -> dict:
     row = {"commit": name, "steps": len(steady)}
     row.update({p: sum(r[p] for r in steady) / len(steady) for p in PHASES})
     row["samples_per_s"] = samples_per_step / row["step_s"]
+    row["first_step_s"] = records[0]["step_s"]
     row["first_loss"] = records[0]["loss"]
     row["first_grad_norm"] = records[0]["grad_norm"]
     return row
@@ -72,7 +73,7 @@ def ratios(ref_name: str, ours: dict, ref: dict) -> dict:
     row = {"commit": f"{ref_name} / {ours['commit']}", "steps": ours["steps"]}
     row.update({p: ref[p] / ours[p] for p in PHASES})
     row["samples_per_s"] = ours["samples_per_s"] / ref["samples_per_s"]
-    row["first_loss"] = row["first_grad_norm"] = None
+    row["first_step_s"] = row["first_loss"] = row["first_grad_norm"] = None
     return row
 
 

@@ -1,6 +1,7 @@
 """Quick-start: GRPO on reasoning-gym arithmetic with SmolLM2-135M-Instruct, through the miles_ray actors.
 
-Runs on a laptop CPU (2 cores: ~15 minutes) and, unchanged, on a GPU cluster (pass --address auto).
+Runs on a laptop CPU (2 cores: ~3 minutes where the CPU computes bf16 natively, several times that in fp32) and,
+unchanged, on a GPU cluster (pass --address auto).
 
     python examples/quickstart.py --topology colocated --steps 25
     python examples/quickstart.py --mode async --topology disaggregated   # rollout and training overlap

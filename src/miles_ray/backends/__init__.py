@@ -20,6 +20,7 @@ from miles_ray.backends.objectives import (
     resolve_loss,
 )
 from miles_ray.backends.optimizer import OptimizerConfig
+from miles_ray.backends.packing import MicroBatchConfig, PackingConfig
 from miles_ray.backends.rl_step import RLStep
 from miles_ray.backends.torch_parallel import TorchBackendConfig
 
@@ -31,8 +32,10 @@ __all__ = [
     "GSPOLossConfig",
     "LogprobModel",
     "LossConfig",
+    "MicroBatchConfig",
     "ObjectiveConfig",
     "OptimizerConfig",
+    "PackingConfig",
     "PPOClipLossConfig",
     "RLOOAdvantageConfig",
     "RLStep",

@@ -35,7 +35,7 @@ from pydantic import Field, model_validator
 from miles_ray.backends import megatron_cpu
 from miles_ray.backends.megatron_convert import GPTShape, hf_to_megatron, megatron_source, megatron_to_hf
 from miles_ray.backends.optimizer import OptimizerConfig
-from miles_ray.backends.packing import PackingConfig, micro_batches_of, pack_rows
+from miles_ray.backends.packing import MicroBatchConfig, micro_batches_of, pack_rows
 from miles_ray.backends.torch_parallel import DataParallelOps, load_rng, save_rng
 from miles_ray.config import StrictConfig
 from miles_ray.devices import rank_device
@@ -76,21 +76,13 @@ class MegatronParallelConfig(StrictConfig):
         return self
 
 
-class MegatronBackendConfig(StrictConfig):
+class MegatronBackendConfig(MicroBatchConfig):
     """Megatron-core backend of ``TrainerGroup`` (``backend={"kind": "megatron", ...}``)."""
 
     kind: Literal["megatron"] = "megatron"
     parallel: MegatronParallelConfig = Field(default_factory=MegatronParallelConfig, description="TP/PP/CP/EP.")
     dtype: Literal["float32", "bfloat16"] = Field(
         "float32", description="Model dtype; bfloat16 keeps fp32 main params and grads in Megatron's optimizer."
-    )
-    micro_batch_size: int = Field(8, ge=1, le=4096, description="Samples per forward/backward on one DP rank at most.")
-    max_tokens_per_micro_batch: int | None = Field(
-        None, ge=1, description="Packed tokens per forward/backward at most, besides micro_batch_size; None: no bound."
-    )
-    packing: PackingConfig | None = Field(
-        default_factory=PackingConfig,
-        description="Packed rows with shared prompts (backends.packing); None: one padded row per sample.",
     )
     num_threads: int = Field(1, ge=1, le=256, description="torch intra-op threads per rank.")
     seed: int = Field(1234, description="Seed of Megatron's RNG tracker (per-TP-rank states).")

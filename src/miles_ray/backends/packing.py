@@ -15,7 +15,8 @@ pad token attends to itself alone (an all-masked softmax row would be NaN). Ever
 keys it saw in its own padded sequence at the same positions, so logprobs, losses and gradients equal the padded
 computation up to float summation order, while the prompt's activations and gradient are computed once.
 
-``plan_micro_batches`` cuts a shard into micro-batches of whole segments by sample count and token budget.
+``plan_micro_batches`` cuts a shard into micro-batches of segments by sample count and token budget (a segment
+over a bound is cut into pieces, each with its prompt).
 
 Usage::
 
@@ -48,6 +49,21 @@ class PackingConfig(StrictConfig):
         description="Put several segments in a row, up to this many tokens (a longer segment gets a row of its own); "
         "None: one segment per row, rows padded to the longest. Attention is dense per row, so its cost grows with "
         "the row length; more rows pad more.",
+    )
+
+
+class MicroBatchConfig(StrictConfig):
+    """How a backend cuts a rank's shard into micro-batches and lays them out (both backends' configs extend it)."""
+
+    micro_batch_size: int = Field(
+        8, ge=1, le=4096, description="Samples per forward/backward on one data-parallel rank at most."
+    )
+    max_tokens_per_micro_batch: int | None = Field(
+        None, ge=1, description="Packed tokens per forward/backward at most, besides micro_batch_size; None: no bound."
+    )
+    packing: PackingConfig | None = Field(
+        default_factory=PackingConfig,
+        description="Packed rows with shared prompts (backends.packing); None: one padded row per sample.",
     )
 
 
@@ -134,17 +150,21 @@ def segments(batch: RolloutBatch, share_prefix: bool) -> list[Segment]:
 def plan_micro_batches(
     batch: RolloutBatch, max_samples: int, max_tokens: int | None = None, share_prefix: bool = True
 ) -> list[torch.Tensor]:
-    """Micro-batches of whole segments, in order: at most ``max_samples`` samples and ``max_tokens`` packed tokens.
+    """Micro-batches of segments, in order: at most ``max_samples`` samples and ``max_tokens`` packed tokens.
 
-    A segment larger than either bound is a micro-batch of its own, never split (its prompt is computed once).
+    A segment over either bound is cut into pieces within them, each with the prompt once (its prompt is then
+    forwarded once per piece: the bounds are what keeps a micro-batch in memory). A single sample over
+    ``max_tokens`` is a micro-batch of its own.
 
     Returns:
         One ``LongTensor`` of batch rows per micro-batch.
 
     """
+    segs = segments(batch, share_prefix) if batch.prompt_lengths is not None else _singles(batch)
+    lengths = batch.attention_mask.sum(dim=1).tolist()
     plans: list[list[int]] = []
     samples = tokens = 0
-    for seg in segments(batch, share_prefix) if batch.prompt_lengths is not None else _singles(batch):
+    for seg in (piece for s in segs for piece in _pieces(s, lengths, max_samples, max_tokens)):
         full = samples + len(seg.samples) > max_samples or (
             max_tokens is not None and tokens + seg.num_tokens > max_tokens
         )
@@ -157,7 +177,21 @@ def plan_micro_batches(
     return [torch.tensor(rows, dtype=torch.long) for rows in plans]
 
 
-def micro_batches_of(batch: RolloutBatch, config) -> list[torch.Tensor]:
+def _pieces(seg: Segment, lengths: list[int], max_samples: int, max_tokens: int | None) -> list[Segment]:
+    """``seg`` cut into segments of at most ``max_samples`` samples and ``max_tokens`` tokens, each with the prompt."""
+    pieces, members, tokens = [], [], seg.prompt_len
+    for b in seg.samples:
+        response = lengths[b] - seg.prompt_len
+        if members and (len(members) == max_samples or (max_tokens is not None and tokens + response > max_tokens)):
+            pieces.append(Segment(tuple(members), seg.prompt_len, tokens))
+            members, tokens = [], seg.prompt_len
+        members.append(b)
+        tokens += response
+    pieces.append(Segment(tuple(members), seg.prompt_len, tokens))
+    return pieces
+
+
+def micro_batches_of(batch: RolloutBatch, config: MicroBatchConfig) -> list[torch.Tensor]:
     """``plan_micro_batches`` by a backend config's micro_batch_size, max_tokens_per_micro_batch and packing."""
     share = config.packing is not None and config.packing.share_prefix
     return plan_micro_batches(batch, config.micro_batch_size, config.max_tokens_per_micro_batch, share)

@@ -23,14 +23,13 @@ from pydantic import Field, model_validator
 
 from miles_ray.backends.lora import LoRAConfig
 from miles_ray.backends.optimizer import OptimizerConfig
-from miles_ray.backends.packing import PackingConfig, micro_batches_of
-from miles_ray.config import StrictConfig
+from miles_ray.backends.packing import MicroBatchConfig, micro_batches_of
 from miles_ray.devices import native_bf16, rank_device
 from miles_ray.models.quant import WeightFormatConfig
 from miles_ray.types import RolloutBatch
 
 
-class TorchBackendConfig(StrictConfig):
+class TorchBackendConfig(MicroBatchConfig):
     """PyTorch backend: HF ``AutoModelForCausalLM`` wrapped with FSDP2 (``fully_shard``) or DDP."""
 
     kind: Literal["torch"] = "torch"
@@ -46,14 +45,6 @@ class TorchBackendConfig(StrictConfig):
         description="Mixed precision: bfloat16 autocast of forward/backward (fp32 master weights). 'auto': bfloat16 "
         "where the rank's device computes it natively (CUDA with bf16, CPUs with AVX512-BF16 or AMX), else none "
         "(an AVX2-only CPU emulates bf16 matmuls, ~17x slower than fp32).",
-    )
-    micro_batch_size: int = Field(8, ge=1, le=4096, description="Samples per forward/backward on one rank at most.")
-    max_tokens_per_micro_batch: int | None = Field(
-        None, ge=1, description="Packed tokens per forward/backward at most, besides micro_batch_size; None: no bound."
-    )
-    packing: PackingConfig | None = Field(
-        default_factory=PackingConfig,
-        description="Packed rows with shared prompts (backends.packing); None: one padded row per sample.",
     )
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
     compile: bool = Field(

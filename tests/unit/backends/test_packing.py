@@ -49,15 +49,29 @@ def test_layout_of_a_shared_prefix_segment():
     assert one_row.input_ids.shape == (1, 12) and one_row.position_ids[0].tolist()[5:10] == [0, 1, 2, 3, 0]
 
 
-def test_micro_batches_keep_segments_whole_within_the_budgets():
+def test_micro_batches_keep_segments_whole_within_the_bounds_and_cut_larger_ones():
     batch = _grouped_batch(num_groups=3, group_size=4)  # segments of 4, 4, 4 samples and a single one
     plans = plan_micro_batches(batch, max_samples=6)
     assert [p.tolist() for p in plans] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11, 12]]
     tokens = [s.num_tokens for s in segments(batch, share_prefix=True)]
     plans = plan_micro_batches(batch, max_samples=64, max_tokens=tokens[0] + tokens[1])
     assert [len(p) for p in plans] == [8, 5]
-    assert [len(p) for p in plan_micro_batches(batch, max_samples=2)] == [4, 4, 4, 1]  # a segment is never split
+    # a segment over a bound is cut into pieces within it (each keeps its prompt): the bounds hold memory
+    assert [p.tolist() for p in plan_micro_batches(batch, max_samples=3)] == [
+        [0, 1, 2],
+        [3],
+        [4, 5, 6],
+        [7],
+        [8, 9, 10],
+        [11, 12],
+    ]
     assert [len(p) for p in plan_micro_batches(batch, max_samples=2, share_prefix=False)] == [2] * 6 + [1]
+    budget = tokens[0] // 2  # under one segment: each micro-batch's packed tokens stay within it
+    plans = plan_micro_batches(batch, max_samples=64, max_tokens=budget)
+    assert sorted(r for p in plans for r in p.tolist()) == list(range(13)) and len(plans) > 4
+    for plan in plans:
+        packed = sum(s.num_tokens for s in segments(batch.select(plan), share_prefix=True))
+        assert packed <= budget or len(plan) == 1
 
 
 def _grads_and_metrics(config: TorchBackendConfig, batch: RolloutBatch, path: str, **objective):
@@ -82,15 +96,15 @@ def _grads_and_metrics(config: TorchBackendConfig, batch: RolloutBatch, path: st
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp2"])
 @pytest.mark.parametrize(
     "variant",
-    [{}, {"kl": KLConfig(coef=0.5)}, {"lora": True}, {"checkpointing": True}],
-    ids=["plain", "kl_loss", "lora", "checkpointing"],
+    [{}, {"kl": KLConfig(coef=0.5)}, {"lora": True}, {"checkpointing": True}, {"micro_batch_size": 3}],
+    ids=["plain", "kl_loss", "lora", "checkpointing", "groups_cut_by_micro_batches"],
 )
 def test_shared_prefix_training_equals_padded_training(tiny_model_path, parallel, variant):
     """fp32: loss, metrics and every parameter's gradient of the shared-prefix step equal the padded step's."""
     batch = _grouped_batch()
     common = {
         "parallel": parallel,
-        "micro_batch_size": 16,
+        "micro_batch_size": variant.get("micro_batch_size", 16),  # 3: each group of 4 spans two micro-batches
         "gradient_checkpointing": variant.get("checkpointing", False),
     }
     if variant.get("lora"):

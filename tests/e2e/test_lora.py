@@ -85,6 +85,9 @@ def test_engines_without_adapter_support_are_refused_at_setup(make_placement, ti
         async def takes_adapters(self):
             return VLLMEngineActor.accepts_adapters
 
+        async def weights_dtype(self):
+            return None  # a server that does not say: the broadcaster sends float32
+
     pl = make_placement(placement.colocated(1))
     trainer = TrainerGroup.remote(TrainerGroupConfig(model_path=tiny_model_path, backend={"lora": {"rank": 2}}), pl)
     wb = WeightBroadcaster.remote(

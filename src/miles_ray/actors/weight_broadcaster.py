@@ -156,9 +156,10 @@ class WeightBroadcaster:
         """Send the trainer's current weights to every engine as ``version`` and verify them.
 
         Returns:
-            ``{"seconds", "transfer_seconds", "bytes", "gb_per_s", "num_buckets", "version", "checksum",
-            "drain_seconds"}``: ``seconds`` is the whole sync, ``transfer_seconds`` and ``gb_per_s`` leave out the
-            hashing and the wait for in-flight requests (``drain_seconds``, with ``in_flight="finish"``).
+            ``{"seconds", "transfer_seconds", "bytes", "dtype", "gb_per_s", "num_buckets", "version", "checksum",
+            "drain_seconds"}``: ``seconds`` is the whole sync; ``transfer_seconds`` and ``gb_per_s`` leave out the
+            engines' checksums and the wait for in-flight requests (``drain_seconds``, with ``in_flight="finish"``),
+            not the sender's digest, which is taken while the bytes move.
 
         Raises:
             WeightSyncError: if an engine's version or checksum differs from the trainer's.
@@ -178,7 +179,7 @@ class WeightBroadcaster:
             put_s = 0.0  # engines' receive time covers the trainer's gather and send
         else:
             put_s, sent_checksum, loaded = self._push_shared(version)
-        transfer_s = put_s + max(r["seconds"] for r in loaded)  # without hashing or draining
+        transfer_s = put_s + max(r["seconds"] for r in loaded)  # without the engines' hashing or draining
         self._check(self._engines, self._kinds, loaded, version, sent_checksum)
         total = self._plan.total_bytes
         self._last = {
@@ -212,9 +213,11 @@ class WeightBroadcaster:
             self._same_node = [h["node_ip"] == trainer_ip for h in ray.get([e.health.remote() for e in self._engines])]
         start = time.perf_counter()
         c = self.config
-        sends = [w.share_weight_buckets.remote(self._plan, not all(self._same_node), c.verify) for w in self._workers]
+        hash_full = c.verify and "full" in self._kinds  # SGLang engines alone compare probe rows only
+        to_store = not all(self._same_node)
+        sends = [w.share_weight_buckets.remote(self._plan, to_store, hash_full) for w in self._workers]
         out = [r for r in ray.get(sends) if r][0]
-        put_s = time.perf_counter() - start
+        put_s = time.perf_counter() - start  # with the digest, taken while gathering
         loads = [
             e.load_buckets.remote(self._plan, out["shared"], version, c.verify, c.in_flight, out.get("digests"))
             if same
@@ -222,9 +225,10 @@ class WeightBroadcaster:
             for e, same in zip(self._engines, self._same_node)
         ]
         sent = None
-        if c.verify:  # rank 0 hashed what it sent while gathering; other kinds while the engines load
+        if c.verify:  # other kinds are hashed while the engines load
             other = tuple(sorted(set(self._kinds) - {"full"}))
-            sent = {"full": out["full"], **(ray.get(self._workers[0].shared_checksums.remote(other)) if other else {})}
+            sent = {"full": out["full"]} if hash_full else {}
+            sent |= ray.get(self._workers[0].shared_checksums.remote(other)) if other else {}
         return put_s, sent, ray.get(loads)
 
     def _push_through_store(self, engines: list, kinds: list[str], version: int) -> tuple[float, dict | None, list]:

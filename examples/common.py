@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 import ray
 
 from miles_ray.report import plot_run, read_jsonl
+from miles_ray.trackers import TRACKERS, open_trackers, parse_names
 
 
 def init_ray(address: str | None = None, metrics_port: int | None = None) -> None:
@@ -45,22 +45,34 @@ def step_record(step: int, samples: list, metrics: dict, **more) -> dict:
     }
 
 
-class RunLog:
-    """The run's ``metrics.jsonl``, one record per step; resuming at ``first_step`` keeps the records before it."""
+def add_logger_argument(parser) -> None:
+    """``--logger``: the experiment trackers a run writes to (``miles_ray.trackers``)."""
+    parser.add_argument(
+        "--logger",
+        default="jsonl",
+        help=f"comma-separated trackers from {','.join(TRACKERS)}; all write under --out (wandb offline)",
+    )
 
-    def __init__(self, out_dir: Path, first_step: int = 0):
-        out_dir.mkdir(parents=True, exist_ok=True)
+
+class RunLog:
+    """The run's trackers (``metrics.jsonl`` always, for the plot), one record per step.
+
+    Resuming at ``first_step`` keeps the JSONL records before it.
+    """
+
+    def __init__(self, out_dir: Path, first_step: int = 0, logger: str = "jsonl", config: dict | None = None):
+        names = parse_names(logger)
+        names = names if "jsonl" in names else ["jsonl", *names]  # the summary plots the JSONL log
         self.path = out_dir / "metrics.jsonl"
-        kept = [r for r in read_jsonl(self.path) if r["step"] < first_step] if first_step and self.path.exists() else []
-        self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        self.trackers = open_trackers(names, out_dir, run_name=out_dir.name, config=config, first_step=first_step)
 
     def write(self, record: dict) -> None:
-        """Append one step's record."""
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        """Log one step's record to every tracker."""
+        self.trackers.log({k: v for k, v in record.items() if k != "step"}, record["step"])
 
     def summary(self, keys: tuple[str, ...] = ("reward_mean",)) -> None:
-        """Plot the run and print each key's mean over the first and the last fifth of the steps."""
+        """Close the trackers, plot the run and print each key's mean over the first and the last fifth of the steps."""
+        self.trackers.close()
         rows = read_jsonl(self.path)
         k = max(1, len(rows) // 5)
         print(f"reward curve: {plot_run(self.path)}")

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import ray
-from common import RunLog, gpus_per_bundle, init_ray, step_record
+from common import RunLog, add_logger_argument, gpus_per_bundle, init_ray, step_record
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
@@ -35,6 +35,7 @@ p.add_argument("--critic-lr", type=float, default=1e-5)
 p.add_argument("--value-head-lr", type=float, default=1e-3, help="the zero-initialised head learns from scratch")
 p.add_argument("--kl-coef", type=float, default=0.01, help="k3 KL to the reference, in the loss")
 p.add_argument("--out", default="runs/ppo")
+add_logger_argument(p)
 args = p.parse_args()
 
 init_ray()
@@ -70,7 +71,7 @@ task = ReasoningGymTask(one_digit_arithmetic(seed=1), AutoTokenizer.from_pretrai
 sampling = SamplingParams(n=args.samples_per_prompt, max_new_tokens=args.max_new_tokens)
 
 # --- the PPO loop: rollout -> values + reference logprobs -> GAE -> policy and critic steps -> sync ------
-log = RunLog(Path(args.out))
+log = RunLog(Path(args.out), logger=args.logger, config=vars(args))
 version = ray.get(stack.trainer.weight_version.remote())
 ray.get(stack.broadcaster.sync.remote(version))
 for step in (bar := tqdm(range(args.steps), desc="PPO")):

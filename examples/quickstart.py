@@ -18,13 +18,14 @@ import warnings
 from pathlib import Path
 
 import ray
-from common import RunLog, gpus_per_bundle, init_ray, step_record
+from common import RunLog, add_logger_argument, gpus_per_bundle, init_ray, step_record
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
 from miles_ray import placement
 from miles_ray.actors import AsyncRollout, AsyncRolloutConfig
 from miles_ray.checkpoint import RunCheckpointer
+from miles_ray.data import DatasetSource, DatasetSourceConfig
 from miles_ray.engines import SamplingParams
 from miles_ray.metrics import record_phases
 from miles_ray.models.hub import MODELS, model_dir
@@ -43,6 +44,10 @@ p.add_argument("--max-new-tokens", type=int, default=24)
 p.add_argument("--lr", type=float, default=1e-5)
 p.add_argument("--rollout-fn", default="miles_ray.rollout:generate_groups", help="rollout function import path")
 p.add_argument("--out", default="runs/quickstart")
+add_logger_argument(p)
+p.add_argument("--data", default=None, help="train on your dataset (.jsonl/.json/.parquet/HF dir; prompt+answer)")
+p.add_argument("--reward", default="miles_ray.rewards.verifiers:math_reward", help="--data: reward import path")
+p.add_argument("--system-prompt", default="Solve the problem. Put the final answer in \\boxed{}.", help="--data")
 p.add_argument(
     "--mode",
     choices=["lockstep", "async", "sync"],
@@ -130,8 +135,17 @@ stack = build_stack(
     placement.create(plan),
 )
 
-# --- task: one-digit sums and differences, scored by reasoning-gym's own score_answer -------------
-task = ReasoningGymTask(one_digit_arithmetic(seed=1), AutoTokenizer.from_pretrained(model_path))
+# --- task: one-digit sums scored by reasoning-gym's score_answer, or --data scored by --reward ---------
+tokenizer = AutoTokenizer.from_pretrained(model_path)
+if args.data:  # your rows: checked and tokenised now; prompts too long for the engine are dropped and counted
+    limit = engine["max_seq_len"] - args.max_new_tokens
+    source = DatasetSourceConfig(
+        path=args.data, reward=args.reward, system_prompt=args.system_prompt, max_prompt_tokens=limit
+    )
+    task = DatasetSource(source, tokenizer)
+    print(f"data: {task.stats()}")
+else:
+    task = ReasoningGymTask(one_digit_arithmetic(seed=1), tokenizer)
 sampling = SamplingParams(n=args.group_size, max_new_tokens=args.max_new_tokens)
 rollout = RolloutFunctionConfig(fn=args.rollout_fn).resolve()  # (router, task, params, n) -> [GroupRef]
 streamer = None
@@ -147,7 +161,7 @@ data = {"data_source": task} if lockstep else {"async_rollout": streamer}
 if args.resume and ckpt.latest() is not None:
     first_step = ckpt.load(None, stack.trainer, buffer=stack.buffer, **data)["step"]
     print(f"resumed from {ckpt.latest()} at step {first_step}")
-log = RunLog(Path(args.out), first_step)
+log = RunLog(Path(args.out), first_step, logger=args.logger, config=vars(args))
 
 
 def save(step: int) -> None:

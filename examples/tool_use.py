@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import ray
-from common import RunLog, init_ray, step_record
+from common import RunLog, add_logger_argument, init_ray, step_record
 from openai import AsyncOpenAI
 from transformers import AutoTokenizer
 
@@ -37,6 +37,7 @@ p.add_argument("--group-size", type=int, default=4)
 p.add_argument("--max-turns", type=int, default=3)
 p.add_argument("--lr", type=float, default=1e-5)
 p.add_argument("--out", default="runs/tool_use")
+add_logger_argument(p)
 args = p.parse_args()
 
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
@@ -119,7 +120,7 @@ async def main() -> None:
         )
         for url in ray.get(stack.pool.urls.remote())
     ]
-    log = RunLog(Path(args.out))
+    log = RunLog(Path(args.out), logger=args.logger, config=vars(args))
     version = ray.get(stack.trainer.weight_version.remote())
     ray.get(stack.broadcaster.sync.remote(version))
     for step in range(args.steps):
@@ -142,6 +143,7 @@ async def main() -> None:
         )
         log.write(record)
         print(json.dumps(record))
+    log.trackers.close()
 
 
 if __name__ == "__main__":

@@ -48,3 +48,30 @@ def test_quickstart_runs_checkpoints_and_resumes(tmp_path, tiny_model_path):
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [0, 1, 2] and [r["weight_version"] for r in records] == [1, 2, 3]
     assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*")) == ["step_00000002", "step_00000003"]
+
+
+def test_quickstart_trains_on_a_users_data_with_every_tracker(tmp_path, tiny_model_path):
+    """One step on the generated GSM data (scored by math-verify), logged to JSONL, TensorBoard, wandb and MLflow."""
+    cmd = [sys.executable, "examples/quickstart.py", "--model", "tiny", "--num-ranks", "1", "--steps", "1"]
+    cmd += ["--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "8", "--out", str(tmp_path)]
+    proc = _run(cmd + ["--data", "examples/data/train.jsonl", "--logger", "tensorboard,wandb,mlflow"])
+    assert "'num_rows': 1000" in proc.stdout
+    [record] = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert record["step"] == 0 and record["weight_version"] == 1
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    assert list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("miles_ray").experiment_id])
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [0]
+    assert run.data.params["data"] == "examples/data/train.jsonl"
+
+
+def test_the_example_data_is_what_its_script_generates(tmp_path):
+    _run([sys.executable, "examples/data/make_gsm_symbolic.py", "--out", str(tmp_path)])
+    for name in ("train.jsonl", "test.jsonl"):
+        assert (tmp_path / name).read_text() == (ROOT / "examples" / "data" / name).read_text()
+    train = {json.loads(line)["prompt"] for line in (tmp_path / "train.jsonl").read_text().splitlines()}
+    test = [json.loads(line)["prompt"] for line in (tmp_path / "test.jsonl").read_text().splitlines()]
+    assert len(train) == 1000 and len(test) == 100 and not train & set(test)

@@ -2,6 +2,7 @@
 
 from miles_ray.actors.engine_actor import EngineInterface
 from miles_ray.contracts import protocol_gaps
+from miles_ray.data import DatasetSource
 from miles_ray.rewards import ReasoningGymTask
 from miles_ray.types import DataSource
 
@@ -24,8 +25,9 @@ def test_gaps_name_what_is_wrong():
     assert "load_buckets: method missing" in gaps
 
 
-def test_the_bundled_data_source_implements_the_contract():
+def test_the_bundled_data_sources_implement_the_contract():
     assert protocol_gaps(ReasoningGymTask, DataSource) == []
+    assert protocol_gaps(DatasetSource, DataSource) == []
 
     class NoReward:
         def next_prompt(self): ...

@@ -6,6 +6,8 @@ unchanged, on a GPU cluster (pass --address auto).
     python examples/quickstart.py --topology colocated --steps 25
     python examples/quickstart.py --mode async --topology disaggregated   # rollout and training overlap
     python examples/quickstart.py --checkpoint-every 5 --resume            # pick up where a stopped run left off
+    python examples/quickstart.py --data examples/data/train.jsonl --eval-data examples/data/test.jsonl \
+        --eval-every 5 --max-new-tokens 256 --logger jsonl,tensorboard    # your data, held-out eval, trackers
 
 Checkpoints (``--checkpoint-every``) hold the whole run: trainer weights, optimizer and RNG, the buffer, the data
 position and the step; ``--resume`` continues from the latest one. ``--export-hf DIR`` writes the final policy as
@@ -27,6 +29,7 @@ from miles_ray.actors import AsyncRollout, AsyncRolloutConfig
 from miles_ray.checkpoint import RunCheckpointer
 from miles_ray.data import DatasetSource, DatasetSourceConfig
 from miles_ray.engines import SamplingParams
+from miles_ray.evaluation import BestMetric, Evaluator, EvaluatorConfig
 from miles_ray.metrics import record_phases
 from miles_ray.models.hub import MODELS, model_dir
 from miles_ray.rewards import ReasoningGymTask, one_digit_arithmetic
@@ -48,6 +51,10 @@ add_logger_argument(p)
 p.add_argument("--data", default=None, help="train on your dataset (.jsonl/.json/.parquet/HF dir; prompt+answer)")
 p.add_argument("--reward", default="miles_ray.rewards.verifiers:math_reward", help="--data: reward import path")
 p.add_argument("--system-prompt", default="Solve the problem. Put the final answer in \\boxed{}.", help="--data")
+p.add_argument("--eval-data", default=None, help="--data: a held-out set, evaluated every --eval-every steps")
+p.add_argument("--eval-every", type=int, default=0, help="evaluate every N steps (0: never)")
+p.add_argument("--eval-n", type=int, default=4, help="samples per eval prompt (mean@n, pass@1, pass@n; and greedy)")
+p.add_argument("--best-metric", default="eval/pass@1", help="the eval metric whose best step is saved in OUT/best")
 p.add_argument(
     "--mode",
     choices=["lockstep", "async", "sync"],
@@ -98,6 +105,11 @@ p.add_argument("--export-hf", default=None, help="write the final policy here as
 p.add_argument("--metrics-port", type=int, default=None, help="Prometheus port of Ray's metrics agent (local Ray)")
 p.add_argument("--address", default=None, help="Ray cluster address (default: start a local one)")
 args = p.parse_args()
+eval_metrics = {f"eval/mean@{args.eval_n}", "eval/pass@1", f"eval/pass@{args.eval_n}", "eval/greedy"}
+if (args.eval_data is None) != (args.eval_every == 0) or (args.eval_data and not args.data):
+    p.error("--eval-data and --eval-every go together, with --data")
+if args.eval_data and args.best_metric not in eval_metrics:
+    p.error(f"--best-metric must be one of {sorted(eval_metrics)}")
 if args.backend == "megatron" and (args.lora_rank or args.weight_format or args.routing_replay or args.compile):
     p.error("--backend megatron takes no --lora-rank, --weight-format, --routing-replay or --compile yet")
 if args.mode == "sync":
@@ -136,7 +148,7 @@ stack = build_stack(
 )
 
 # --- task: one-digit sums scored by reasoning-gym's score_answer, or --data scored by --reward ---------
-tokenizer = AutoTokenizer.from_pretrained(model_path)
+tokenizer, evaluator = AutoTokenizer.from_pretrained(model_path), None
 if args.data:  # your rows: checked and tokenised now; prompts too long for the engine are dropped and counted
     limit = engine["max_seq_len"] - args.max_new_tokens
     source = DatasetSourceConfig(
@@ -144,6 +156,11 @@ if args.data:  # your rows: checked and tokenised now; prompts too long for the 
     )
     task = DatasetSource(source, tokenizer)
     print(f"data: {task.stats()}")
+    if args.eval_data:  # held out: sampled on the same engines between steps, the best step kept in OUT/best
+        held_out = DatasetSource(source.model_copy(update={"path": args.eval_data}), tokenizer)
+        k = sorted({1, args.eval_n})
+        evaluator = Evaluator(EvaluatorConfig(n=args.eval_n, k=k, max_new_tokens=args.max_new_tokens), held_out)
+        best, best_ckpt = BestMetric(args.best_metric), RunCheckpointer(Path(args.out) / "best", keep_last=1)
 else:
     task = ReasoningGymTask(one_digit_arithmetic(seed=1), tokenizer)
 sampling = SamplingParams(n=args.group_size, max_new_tokens=args.max_new_tokens)
@@ -164,10 +181,10 @@ if args.resume and ckpt.latest() is not None:
 log = RunLog(Path(args.out), first_step, logger=args.logger, config=vars(args))
 
 
-def save(step: int) -> None:
+def save(step: int, into: RunCheckpointer = ckpt) -> None:
     if streamer is not None:
         ray.get(streamer.stop.remote())  # land the prompts in flight, so the buffer and the position agree
-    ckpt.save(step, stack.trainer, buffer=stack.buffer, **data)
+    into.save(step, stack.trainer, buffer=stack.buffer, **data)
     if streamer is not None:
         ray.get(streamer.start.remote())
 
@@ -204,6 +221,10 @@ for step in (bar := tqdm(range(first_step, args.steps), desc="GRPO")):
     )
     if "moe_route_mismatch_frac" in metrics:  # MoE: expert sets the trainer's routers pick unlike the rollout
         record["moe_route_mismatch_frac"] = metrics["moe_route_mismatch_frac"]
+    if evaluator is not None and (step + 1) % args.eval_every == 0:  # the weights just synced, on held-out data
+        record |= evaluator.evaluate(stack.router)
+        if best.update(record, step + 1):
+            save(step + 1, into=best_ckpt)
     log.write(record)
     record_phases({"rollout": t1 - t0, "train": t2 - t1, "sync": t3 - t2})
     if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
@@ -215,3 +236,5 @@ if streamer is not None:
 if args.export_hf:
     print(f"exported the policy to {ray.get(stack.trainer.export_hf.remote(args.export_hf))}")
 log.summary()
+if evaluator is not None:
+    print(f"best {best.metric}: {best.value:.3f} at step {best.step} (checkpoint in {best_ckpt.root})")

@@ -264,3 +264,11 @@ def synthetic_group(group_id: int, first_token: int = 1) -> list[GroupRef]:
         Sample(prompt, [4 + i, 5 + group_id], [-1.0, -1.0], reward=float(i), group_id=group_id) for i in range(4)
     ]
     return [GroupRef(ray.put(samples), 4, 0, group_id)]
+
+
+def reward_by_source(text: str, entry: dict) -> float:
+    """An eval reward known in advance: 1 for rows of source ``a``, 0 for ``b``; rows of ``c`` make it raise."""
+    assert isinstance(text, str)
+    if entry["data_source"] == "c":
+        raise RuntimeError("a reward that fails")
+    return float(entry["data_source"] == "a")

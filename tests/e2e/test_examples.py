@@ -51,13 +51,18 @@ def test_quickstart_runs_checkpoints_and_resumes(tmp_path, tiny_model_path):
 
 
 def test_quickstart_trains_on_a_users_data_with_every_tracker(tmp_path, tiny_model_path):
-    """One step on the generated GSM data (scored by math-verify), logged to JSONL, TensorBoard, wandb and MLflow."""
+    """One step on the generated GSM data (scored by math-verify), evaluated on the test split, logged to JSONL,
+    TensorBoard, wandb and MLflow."""
     cmd = [sys.executable, "examples/quickstart.py", "--model", "tiny", "--num-ranks", "1", "--steps", "1"]
     cmd += ["--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "8", "--out", str(tmp_path)]
-    proc = _run(cmd + ["--data", "examples/data/train.jsonl", "--logger", "tensorboard,wandb,mlflow"])
-    assert "'num_rows': 1000" in proc.stdout
+    cmd += ["--data", "examples/data/train.jsonl", "--eval-data", "examples/data/test.jsonl", "--eval-every", "1"]
+    proc = _run(cmd + ["--eval-n", "2", "--logger", "tensorboard,wandb,mlflow"])
+    assert "'num_rows': 1000" in proc.stdout and "best eval/pass@1: " in proc.stdout
     [record] = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert record["step"] == 0 and record["weight_version"] == 1
+    assert record["eval/num_prompts"] == 100 and 0 <= record["eval/pass@1"] <= record["eval/pass@2"] <= 1
+    assert record["eval/gsm_symbolic/mean@2"] == record["eval/mean@2"]  # one source: the breakdown is the total
+    assert [p.name for p in (tmp_path / "best").glob("step_*")] == ["step_00000001"]
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
     assert list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
     from mlflow.tracking import MlflowClient

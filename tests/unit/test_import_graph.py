@@ -17,9 +17,9 @@ SRC = Path(miles_ray.__file__).resolve().parent
 LAYERS = [
     {"types", "config", "callables", "contracts", "deprecation", "devices", "metrics", "algo", "sync", "placement"},
     {"models", "rewards", "data", "trackers"},
-    {"engines", "backends", "hooks", "rollout", "multiturn"},
+    {"engines", "backends", "hooks", "rollout", "multiturn", "evaluation"},
     {"actors"},
-    {"stack", "checkpoint", "fault", "report", ""},  # "" is the package itself (miles_ray/__init__.py)
+    {"stack", "checkpoint", "fault", "report", "eval", ""},  # "" is the package itself (miles_ray/__init__.py)
 ]
 
 

@@ -159,6 +159,19 @@ class DatasetSource:
             self._order = self._epoch_order(self.epoch)
         return prompt
 
+    def prompts(self) -> list[dict]:
+        """Every kept prompt in file order, apart from the training order (an eval set); ``uid`` is the row index."""
+        return [
+            {
+                "prompt_ids": list(self.prompt_ids[i]),
+                "messages": self.messages[i],
+                "entry": self.entry(i),
+                "index": i,
+                "uid": i,
+            }
+            for i in self.kept
+        ]
+
     def entry(self, index: int) -> dict[str, Any]:
         """Row ``index`` as the reward sees it: every column, the answer also under ``answer``."""
         row = dict(self.rows[index])

@@ -5,6 +5,7 @@ trained on GAE returns) and a ``ReferenceGroup`` (the initial weights, serving l
 All share one colocated placement: bundle i holds trainer rank i, engine i, critic rank i, reference rank i.
 
     python examples/ppo.py --steps 20
+    python examples/ppo.py --reward-model DIR      # classic RLHF: a learned reward model scores the responses
 """
 
 import argparse
@@ -17,9 +18,11 @@ from tqdm import tqdm
 from transformers import AutoTokenizer
 
 from miles_ray import placement
+from miles_ray.actors import ModelReward, RewardModelConfig, RewardModelGroup
 from miles_ray.engines import SamplingParams
 from miles_ray.models.hub import MODELS, model_dir
 from miles_ray.rewards import ReasoningGymTask, one_digit_arithmetic
+from miles_ray.rewards.safe import SafeGroupReward
 from miles_ray.rollout import generate_groups
 from miles_ray.stack import StackConfig, build_stack
 
@@ -36,6 +39,7 @@ p.add_argument("--value-head-lr", type=float, default=1e-3, help="the zero-initi
 p.add_argument("--kl-coef", type=float, default=0.01, help="k3 KL to the reference, in the loss")
 p.add_argument("--out", default="runs/ppo")
 add_logger_argument(p)
+p.add_argument("--reward-model", default=None, help="score with this HF reward model (sequence classifier, 1 label)")
 args = p.parse_args()
 
 init_ray()
@@ -69,6 +73,10 @@ stack = build_stack(
 )
 task = ReasoningGymTask(one_digit_arithmetic(seed=1), AutoTokenizer.from_pretrained(model_path))
 sampling = SamplingParams(n=args.samples_per_prompt, max_new_tokens=args.max_new_tokens)
+reward = None  # the task's own rule (reasoning-gym's score_answer), or a learned reward model's scores:
+if args.reward_model:
+    rm = RewardModelGroup.remote(RewardModelConfig(model_path=args.reward_model))
+    reward = SafeGroupReward(ModelReward(rm, prompt_key="question"))
 
 # --- the PPO loop: rollout -> values + reference logprobs -> GAE -> policy and critic steps -> sync ------
 log = RunLog(Path(args.out), logger=args.logger, config=vars(args))
@@ -76,7 +84,7 @@ version = ray.get(stack.trainer.weight_version.remote())
 ray.get(stack.broadcaster.sync.remote(version))
 for step in (bar := tqdm(range(args.steps), desc="PPO")):
     t0 = time.perf_counter()
-    ray.get(stack.buffer.add.remote(generate_groups(stack.router, task, sampling, args.prompts_per_step)))
+    ray.get(stack.buffer.add.remote(generate_groups(stack.router, task, sampling, args.prompts_per_step, reward)))
     batch = ray.get(stack.buffer.get_batch.remote(args.prompts_per_step, current_version=version))
     samples = [s for g in ray.get([g.ref for g in batch]) for s in g]
     t1 = time.perf_counter()

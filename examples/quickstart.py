@@ -54,6 +54,7 @@ p.add_argument("--system-prompt", default="Solve the problem. Put the final answ
 p.add_argument("--eval-data", default=None, help="--data: a held-out set, evaluated every --eval-every steps")
 p.add_argument("--eval-every", type=int, default=0, help="evaluate every N steps (0: never)")
 p.add_argument("--eval-n", type=int, default=4, help="samples per eval prompt (mean@n, pass@1, pass@n; and greedy)")
+p.add_argument("--eval-prompts", type=int, default=None, help="evaluate the first N held-out prompts (default: all)")
 p.add_argument("--best-metric", default="eval/pass@1", help="the eval metric whose best step is saved in OUT/best")
 p.add_argument(
     "--mode",
@@ -159,7 +160,8 @@ if args.data:  # your rows: checked and tokenised now; prompts too long for the 
     if args.eval_data:  # held out: sampled on the same engines between steps, the best step kept in OUT/best
         held_out = DatasetSource(source.model_copy(update={"path": args.eval_data}), tokenizer)
         k = sorted({1, args.eval_n})
-        evaluator = Evaluator(EvaluatorConfig(n=args.eval_n, k=k, max_new_tokens=args.max_new_tokens), held_out)
+        cfg = EvaluatorConfig(n=args.eval_n, k=k, max_new_tokens=args.max_new_tokens, max_prompts=args.eval_prompts)
+        evaluator = Evaluator(cfg, held_out)
         best, best_ckpt = BestMetric(args.best_metric), RunCheckpointer(Path(args.out) / "best", keep_last=1)
 else:
     task = ReasoningGymTask(one_digit_arithmetic(seed=1), tokenizer)

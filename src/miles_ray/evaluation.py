@@ -16,8 +16,8 @@ Usage::
 
 from __future__ import annotations
 
-import itertools
 import math
+import uuid
 from collections import defaultdict
 
 import ray
@@ -26,8 +26,6 @@ from pydantic import Field, model_validator
 from miles_ray.config import StrictConfig
 from miles_ray.engines.requests import GenerateRequest, SamplingParams
 from miles_ray.rewards.safe import SafeReward
-
-_rounds = itertools.count()  # eval request ids stay apart from training's p<uid> and from earlier rounds
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -79,7 +77,7 @@ class Evaluator:
     def evaluate(self, router) -> dict[str, float]:
         """Sample, score and summarise; ``eval/...`` metrics (see the module docstring)."""
         c = self.config
-        round_id = next(_rounds)
+        round_id = uuid.uuid4().hex[:8]  # request ids apart from training's p<uid>, other rounds and other drivers
         sampled = SamplingParams(n=c.n, temperature=c.temperature, max_new_tokens=c.max_new_tokens)
         greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=c.max_new_tokens)
         requests = [

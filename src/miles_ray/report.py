@@ -42,6 +42,9 @@ def plot_run(path: str | Path, out: str | Path | None = None) -> Path:
     ]
     axes[0].plot(steps, reward, "o-", alpha=0.4, label="reward mean")
     axes[0].plot(steps, smooth, "-", lw=2, label=f"moving avg ({window})")
+    evals = [r for r in rows if "eval/pass@1" in r]  # held-out scores, on the steps that evaluated
+    if evals:
+        axes[0].plot([r["step"] for r in evals], [r["eval/pass@1"] for r in evals], "s--", label="eval pass@1")
     axes[0].set(xlabel="step", ylabel="reward", title="Reward")
     axes[0].legend()
     axes[1].plot(steps, [r["response_len_mean"] for r in rows])

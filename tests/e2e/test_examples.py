@@ -80,3 +80,17 @@ def test_the_example_data_is_what_its_script_generates(tmp_path):
     train = {json.loads(line)["prompt"] for line in (tmp_path / "train.jsonl").read_text().splitlines()}
     test = [json.loads(line)["prompt"] for line in (tmp_path / "test.jsonl").read_text().splitlines()]
     assert len(train) == 1000 and len(test) == 100 and not train & set(test)
+
+
+def test_ppo_example_scores_with_a_reward_model(tmp_path, tiny_model_path):
+    """``--reward-model``: a sequence classifier (the tiny model with a one-label head) scores the responses."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    AutoModelForSequenceClassification.from_pretrained(tiny_model_path, num_labels=1).save_pretrained(tmp_path / "rm")
+    AutoTokenizer.from_pretrained(tiny_model_path).save_pretrained(tmp_path / "rm")
+    cmd = [sys.executable, "examples/ppo.py", "--model", "tiny", "--steps", "1", "--num-ranks", "1"]
+    cmd += ["--prompts-per-step", "2", "--samples-per-prompt", "2", "--out", str(tmp_path / "run")]
+    _run(cmd + ["--reward-model", str(tmp_path / "rm")])
+    [record] = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    # the rule reward of 4 samples is a multiple of 1/4; the reward model's scores are not
+    assert record["reward_mean"] * 4 != pytest.approx(round(record["reward_mean"] * 4), abs=1e-6)

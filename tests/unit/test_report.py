@@ -24,3 +24,12 @@ def test_plot_run_refuses_an_empty_log(tmp_path):
     (tmp_path / "empty.jsonl").write_text("")
     with pytest.raises(ValueError, match="no records"):
         plot_run(tmp_path / "empty.jsonl")
+
+
+def test_eval_scores_are_drawn_on_the_reward_panel(tmp_path):
+    rows = [{"step": i, "reward_mean": i / 10, "response_len_mean": 5} for i in range(6)]
+    (tmp_path / "plain.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    rows[2]["eval/pass@1"], rows[5]["eval/pass@1"] = 0.2, 0.6
+    (tmp_path / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    plain, with_eval = (plot_run(tmp_path / f"{n}.jsonl", tmp_path / f"{n}.png") for n in ("plain", "eval"))
+    assert plain.read_bytes() != with_eval.read_bytes()

@@ -10,6 +10,7 @@ from miles_ray.actors.embedded_engine import EmbeddedEngineActor
 from miles_ray.actors.engine_actor import EngineControl, EngineInterface, InFlight
 from miles_ray.actors.reference import ReferenceGroup, ReferenceGroupConfig
 from miles_ray.actors.replay_buffer import ReplayBuffer, ReplayBufferConfig
+from miles_ray.actors.reward_model import ModelReward, RewardModelConfig, RewardModelGroup
 from miles_ray.actors.rollout_pool import RolloutPool, RolloutPoolConfig
 from miles_ray.actors.router import NoHealthyEngineError, Router, RouterConfig
 from miles_ray.actors.trainer_group import TrainerGroup, TrainerGroupConfig, TrainerWorker
@@ -41,6 +42,9 @@ __all__ = [
     "ReferenceGroupConfig",
     "ReplayBuffer",
     "ReplayBufferConfig",
+    "ModelReward",
+    "RewardModelConfig",
+    "RewardModelGroup",
     "RolloutPool",
     "RolloutPoolConfig",
     "Router",

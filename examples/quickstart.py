@@ -45,6 +45,7 @@ p.add_argument("--prompts-per-step", type=int, default=8)
 p.add_argument("--group-size", type=int, default=8)
 p.add_argument("--max-new-tokens", type=int, default=24)
 p.add_argument("--lr", type=float, default=1e-5)
+p.add_argument("--micro-batch-size", type=int, default=32, help="samples per forward/backward (lower: less memory)")
 p.add_argument("--rollout-fn", default="miles_ray.rollout:generate_groups", help="rollout function import path")
 p.add_argument("--out", default="runs/quickstart")
 add_logger_argument(p)
@@ -128,10 +129,11 @@ else:  # trainers and engines on bundles of their own; weights are broadcast ove
     plan, transport = placement.disaggregated(n, n, gpus_per_trainer=gpus, gpus_per_engine=gpus), "broadcast"
 recipe = {"format": args.weight_format} if args.weight_format else None  # one recipe for rollout and training
 if args.backend == "megatron":  # the n ranks form n / tp data-parallel groups of tp tensor-parallel ranks
-    backend = {"kind": "megatron", "micro_batch_size": 32, "parallel": {"tensor_model_parallel_size": args.tp}}
+    parallel = {"tensor_model_parallel_size": args.tp}
+    backend = {"kind": "megatron", "micro_batch_size": args.micro_batch_size, "parallel": parallel}
 else:
     lora = {"rank": args.lora_rank, "alpha": 2 * args.lora_rank} if args.lora_rank else None
-    backend = {"micro_batch_size": 32, "autocast": "auto", "routing_replay": args.routing_replay}
+    backend = {"micro_batch_size": args.micro_batch_size, "autocast": "auto", "routing_replay": args.routing_replay}
     backend.update(weight_format=recipe, lora=lora, parallel=args.parallel, compile=args.compile)
 trainer = {"model_path": model_path, "num_ranks": n, "optimizer": {"lr": args.lr}, "backend": backend}
 # engines and trainer differ a little (bf16, low-precision recipes, kernels): TIS weighs tokens by their capped ratio

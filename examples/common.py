@@ -7,8 +7,8 @@ from pathlib import Path
 
 import ray
 
-from miles_ray.report import plot_run, read_jsonl
-from miles_ray.trackers import TRACKERS, open_trackers, parse_names
+from miles_ray.report import plot_run
+from miles_ray.trackers import TRACKERS, open_trackers, parse_names, read_jsonl
 
 
 def init_ray(address: str | None = None, metrics_port: int | None = None) -> None:
@@ -70,9 +70,13 @@ class RunLog:
         """Log one step's record to every tracker."""
         self.trackers.log({k: v for k, v in record.items() if k != "step"}, record["step"])
 
+    def close(self) -> None:
+        """Flush and finish every tracker."""
+        self.trackers.close()
+
     def summary(self, keys: tuple[str, ...] = ("reward_mean",)) -> None:
         """Close the trackers, plot the run and print each key's mean over the first and the last fifth of the steps."""
-        self.trackers.close()
+        self.close()
         rows = read_jsonl(self.path)
         k = max(1, len(rows) // 5)
         print(f"reward curve: {plot_run(self.path)}")

@@ -143,7 +143,7 @@ async def main() -> None:
         )
         log.write(record)
         print(json.dumps(record))
-    log.trackers.close()
+    log.close()
 
 
 if __name__ == "__main__":

@@ -8,13 +8,9 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
-
-def read_jsonl(path: str | Path) -> list[dict]:
-    """The log's records, one dict per line."""
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+from miles_ray.trackers import read_jsonl  # the log JsonlTracker writes
 
 
 def plot_run(path: str | Path, out: str | Path | None = None) -> Path:

@@ -44,6 +44,11 @@ def numbers(metrics: dict[str, Any]) -> dict[str, float]:
     return {k: float(v) for k, v in metrics.items() if isinstance(v, Real) and math.isfinite(float(v))}
 
 
+def read_jsonl(path: str | Path) -> list[dict]:
+    """The records of a JSONL log, one dict per line (blank lines skipped)."""
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
 class JsonlTracker:
     """``metrics.jsonl``: one ``{"step", ...}`` line per step; resuming at ``first_step`` keeps the lines before it."""
 
@@ -53,7 +58,7 @@ class JsonlTracker:
         self.path = out_dir / name
         kept = []
         if first_step and self.path.exists():
-            kept = [r for r in map(json.loads, self.path.read_text().splitlines()) if r["step"] < first_step]
+            kept = [r for r in read_jsonl(self.path) if r["step"] < first_step]
         self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
 
     def log(self, metrics: dict[str, Any], step: int) -> None:

@@ -54,7 +54,7 @@ class RewardModelWorker:
         if self.tokenizer.pad_token is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         dtype = getattr(torch, config.dtype)
-        model = AutoModelForSequenceClassification.from_pretrained(config.model_path, torch_dtype=dtype)
+        model = AutoModelForSequenceClassification.from_pretrained(config.model_path, dtype=dtype)
         if model.config.num_labels != 1:
             raise ValueError(f"RewardModelConfig.model_path: the model has {model.config.num_labels} labels; needs 1")
         model.config.pad_token_id = self.tokenizer.pad_token_id  # the score is read at the last non-pad token
@@ -107,9 +107,11 @@ class RewardModelGroup:
         """
         if len(prompts) != len(responses):
             raise ValueError(f"score got {len(prompts)} prompts and {len(responses)} responses")
+        if not prompts:
+            return []
         n = len(self._replicas)
-        size = -(-len(prompts) // n) if prompts else 0
-        parts = [(prompts[i : i + size], responses[i : i + size]) for i in range(0, len(prompts), size or 1)]
+        size = -(-len(prompts) // n)  # one contiguous part per replica, in order
+        parts = [(prompts[i : i + size], responses[i : i + size]) for i in range(0, len(prompts), size)]
         results = await asyncio.gather(*[self._replicas[i % n].score.remote(p, r) for i, (p, r) in enumerate(parts)])
         return [s for part in results for s in part]
 

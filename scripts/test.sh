@@ -6,6 +6,7 @@ set -euo pipefail
 bash scripts/setup_vllm.sh
 bash scripts/setup_sglang.sh
 export RAY_TMPDIR="${RAY_TMPDIR:-/tmp/miles_ray_ray}"
+export MILES_RAY_REQUIRE="${MILES_RAY_REQUIRE-vllm,sglang,megatron}"  # installed above: a broken one fails, not skips
 ruff check src tests benchmarks examples
 ruff format --check src tests benchmarks examples
 python -m pytest -q tests "$@"

@@ -72,16 +72,17 @@ def ray_cluster():
 
 @pytest.fixture(scope="session")
 def server(tiny_model_path):
-    """One real engine HTTP server process (the CLI) on the tiny model, bearer token ``test-key``; yields its URL."""
+    """One real engine HTTP server process (the CLI) on the tiny model, bearer token ``test-key`` (given by the
+    environment, not the command line); yields its URL."""
     import requests
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "miles_ray.engines.http_server", "--model-path", tiny_model_path]
-    cmd += ["--port", str(port), "--api-key", "test-key", "--max-batch-size", "8", "--max-seq-len", "128"]
-    cmd += ["--served-model-name", "tiny"]
-    proc = subprocess.Popen(cmd, env=os.environ.copy(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    cmd += ["--port", str(port), "--max-batch-size", "8", "--max-seq-len", "128", "--served-model-name", "tiny"]
+    env = {**os.environ, "MILES_RAY_ENGINE_API_KEY": "test-key"}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 120
     while time.time() < deadline:

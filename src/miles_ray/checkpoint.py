@@ -7,8 +7,13 @@ One checkpoint is one directory ``root/step_<step>/``:
 - ``buffer.pkl``: every group the ReplayBuffer holds, payloads included, and its counters
 - ``data.pkl``: the data position: a data source's ``state_dict()`` (lockstep drivers) or a stopped
   ``AsyncRollout``'s ``state()`` (fully async drivers, with the prompts handed out but not in the buffer)
-- ``run.json``: step, weight version, the driver's ``extra`` dict; written last, so its presence marks a
-  complete checkpoint. The driver process's Python and torch RNG states go into ``driver_rng.pkl``.
+- ``run.json``: the format version, step, weight version, save time, the driver's ``extra`` dict and the sha256 of
+  every other file; written last, so its presence marks a complete checkpoint. The driver process's Python and
+  torch RNG states go into ``driver_rng.pkl``.
+
+``load`` checks the format version and every file's sha256 before restoring anything: a corrupted or missing file
+raises ``CheckpointCorruptError`` naming it. ``keep_last`` keeps the most recently *saved* checkpoints (after a
+rollback, step 6 saved after step 8 is newer than step 8), and a save first removes what interrupted saves left.
 
 Writes are atomic: everything goes into ``root/.tmp-step_<step>-<id>/``, which is renamed into place only when
 complete, and then ``root/latest`` is replaced (write + rename). A crash during a save leaves the previous
@@ -25,6 +30,7 @@ Usage::
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import pickle
@@ -83,7 +89,7 @@ class RunCheckpointer:
         async_rollout = _renamed(async_rollout, rollout_worker)
         if async_rollout is not None and data_source is not None:
             raise ValueError("give async_rollout (async runs) or data_source (lockstep runs), not both")
-        for old in self.root.glob(".tmp-step_*"):  # leftovers of a save that crashed
+        for old in self.root.glob(".tmp-*"):  # leftovers of a save (or of a re-save's swap) that was interrupted
             shutil.rmtree(old, ignore_errors=True)
         name = f"step_{step:08d}"
         tmp = self.root / f".tmp-{name}-{uuid.uuid4().hex[:8]}"
@@ -107,6 +113,7 @@ class RunCheckpointer:
             "time": time.time(),
             "has": sorted(p.name for p in tmp.iterdir()),
             "extra": extra or {},
+            "sha256": _digests(tmp),
         }
         _write_bytes(tmp / "run.json", json.dumps(meta, indent=2).encode())  # last: marks the checkpoint complete
         _fsync_dir(tmp)
@@ -125,8 +132,9 @@ class RunCheckpointer:
         return final
 
     def complete(self) -> list[Path]:
-        """Complete checkpoint directories, oldest first."""
-        return sorted(p for p in self.root.glob("step_*") if (p / "run.json").exists())
+        """Complete checkpoint directories, the least recently saved first."""
+        done = [p for p in self.root.glob("step_*") if (p / "run.json").exists()]
+        return sorted(done, key=lambda p: (_saved_at(p), p.name))
 
     def latest(self) -> Path | None:
         """The newest complete checkpoint (``root/latest`` when it names one), or None."""
@@ -157,6 +165,7 @@ class RunCheckpointer:
 
         Raises:
             FileNotFoundError: if there is no complete checkpoint there, or it lacks a part asked for.
+            CheckpointCorruptError: if a file is missing or its sha256 differs (before anything is restored).
 
         """
         async_rollout = _renamed(async_rollout, rollout_worker)
@@ -164,6 +173,9 @@ class RunCheckpointer:
         if path is None or not (path / "run.json").exists():
             raise FileNotFoundError(f"no complete checkpoint at {path or self.root}")
         meta = json.loads((path / "run.json").read_text())
+        if meta.get("format", 0) > FORMAT:
+            raise CheckpointCorruptError(f"{path} is format {meta['format']}; this miles_ray reads up to {FORMAT}")
+        _verify(path, meta.get("sha256"))
         asked = {"critic": critic, "buffer.pkl": buffer, "data.pkl": async_rollout or data_source}
         missing = [part for part, target in asked.items() if target is not None and part not in meta["has"]]
         if missing:
@@ -188,6 +200,42 @@ class RunCheckpointer:
             random.setstate(rng["python"])
             torch.set_rng_state(rng["torch"])
         return meta
+
+
+class CheckpointCorruptError(ValueError):
+    """A checkpoint's file is missing, altered, or of a newer format."""
+
+
+def _digests(root: Path) -> dict[str, str]:
+    """sha256 of every file under ``root`` (relative POSIX path -> hex)."""
+    return {p.relative_to(root).as_posix(): _sha256(p) for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _verify(path: Path, expected: dict[str, str] | None) -> None:
+    """Raise ``CheckpointCorruptError`` naming the first file that is missing or differs from ``expected``."""
+    if expected is None:  # written before checksums (format 1 without "sha256"): nothing to compare with
+        return
+    for name, digest in expected.items():
+        file = path / name
+        if not file.is_file():
+            raise CheckpointCorruptError(f"checkpoint {path} is missing {name}")
+        if _sha256(file) != digest:
+            raise CheckpointCorruptError(f"checkpoint {path}: {name} does not match its sha256 (corrupted or altered)")
+
+
+def _saved_at(path: Path) -> float:
+    try:
+        return float(json.loads((path / "run.json").read_text()).get("time", 0.0))
+    except (OSError, ValueError):
+        return 0.0
 
 
 def _renamed(async_rollout, rollout_worker):

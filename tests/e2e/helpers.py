@@ -6,7 +6,6 @@ import subprocess
 import time
 from pathlib import Path
 
-import pytest
 import ray
 
 from miles_ray.actors import RolloutPool, RolloutPoolConfig, Router, RouterConfig
@@ -81,7 +80,9 @@ def sglang_stack(lora=None, trainer_backend: dict | None = None):
     shim = {"PYTHONPATH": str(SITE_DIR), "SGLANG_USE_CPU_ENGINE": "1"}  # the CPU shim, as the engine sets it
     python = server_python("MILES_RAY_SGLANG_PYTHON", ".venv-sglang", "sglang.srt.entrypoints.http_server", shim)
     if python is None:
-        pytest.skip("no SGLang environment: run scripts/setup_sglang.sh or set MILES_RAY_SGLANG_PYTHON")
+        from installs import missing  # here, not at the top: Ray workers import this module without tests/
+
+        missing("sglang", "no SGLang environment: run scripts/setup_sglang.sh or set MILES_RAY_SGLANG_PYTHON")
     model_path = str(tiny_llama_dir())
     pl = placement.create(placement.colocated(1))
     engine = SGLangEngineConfig(model_path=model_path, python=python, context_length=512, lora=lora)

@@ -1,6 +1,7 @@
-"""Fault tolerance with real Ray and real torch: non-finite steps, killed engines, killed trainer ranks, crashes
-during a checkpoint save. Faults are injected for real (``ray.kill`` on live actors, a hook that poisons the loss,
-a data source that raises while being saved)."""
+"""Fault tolerance with real Ray and real torch: non-finite steps, killed engines, an engine whose stepping thread
+died, killed trainer ranks, crashes during a checkpoint save. Faults are injected for real (``ray.kill`` on live
+actors, a stepping thread ended inside a live actor, a hook that poisons the loss, a data source that raises while
+being saved)."""
 
 import math
 import threading
@@ -14,7 +15,7 @@ from transformers import AutoTokenizer
 from miles_ray import placement
 from miles_ray.actors import TrainerGroup, TrainerGroupConfig
 from miles_ray.checkpoint import RunCheckpointer
-from miles_ray.engines.requests import GenerateRequest, SamplingParams
+from miles_ray.engines.requests import EngineDeadError, GenerateRequest, SamplingParams
 from miles_ray.fault import heal_engines, restart_trainer
 from miles_ray.rollout import generate_groups
 
@@ -93,6 +94,45 @@ def test_killed_engine_mid_rollout_loses_no_prompt_and_returns_with_current_weig
     assert {o.engine_id for o in outs} == {0, 1} and {o.weight_version for o in outs} == {2}
 
 
+def _stop_stepping(engine) -> bool:
+    """Fault injection: end an engine actor's stepping thread (as a bug in it would) and return whether it lives."""
+
+    def stop(actor):
+        def exit_thread():
+            raise SystemExit  # past the loop's `except Exception`, as only a fatal error would be
+
+        actor.engine.has_work = exit_thread
+        actor.loop.wake()
+        actor.loop._thread.join(10)
+        return actor.loop.alive
+
+    return ray.get(engine.__ray_call__.remote(stop))
+
+
+def test_an_engine_whose_stepping_thread_died_is_evicted_retried_and_replaced(make_placement, tiny_model_path):
+    """Regression (#23): the actor lives but serves nothing; requests used to hang and health to answer healthy."""
+    pl = make_placement(placement.disaggregated(1, 2))
+    router_cfg = {"policy": "round_robin", "health_interval_s": 3600, "max_health_failures": 1}
+    stack = tiny_stack(pl, tiny_model_path, num_engines=2, router=router_cfg)
+    trainer, pool, router, wb, engines = stack.trainer, stack.pool, stack.router, stack.broadcaster, stack.engines
+    ray.get(wb.sync.remote(0))  # the broadcaster is up (it asks every engine for its dtype when it starts)
+    assert _stop_stepping(engines[0]) is False
+    with pytest.raises(EngineDeadError, match="stepping thread has died"):
+        ray.get(engines[0].health.remote())
+    request = GenerateRequest([1, 2, 3], SamplingParams(max_new_tokens=4))
+    outs = ray.get([router.generate.remote(request) for _ in range(4)], timeout=120)  # round robin tries engine 0
+    stats = ray.get(router.stats.remote())
+    assert {o.engine_id for o in outs} == {1} and stats["evicted"] == [0] and stats["retried"] >= 1
+
+    assert heal_engines(pool, wb, router, version=0) == [0]  # the live actor with a dead loop was replaced
+    new = ray.get(pool.engines.remote())[0]
+    assert ray.get(new.weights_checksum.remote()) == trainer_checksum(trainer)
+    # the health check (not only a failed request) evicts a dead engine, and its round survives the error
+    assert _stop_stepping(new) is False
+    assert ray.get(router.check_health.remote()) == {0: False, 1: True}
+    assert ray.get(router.stats.remote())["evicted"] == [0]
+
+
 class SyntheticSource:
     """Deterministic data source: the batch at each position depends on the position only."""
 
@@ -158,6 +198,37 @@ def test_killed_trainer_rank_resumes_from_checkpoint_like_an_uninterrupted_run(
     assert [p.name for p in ckpt.complete()] == ["step_00000002", "step_00000004"]
     meta = ckpt.load(latest, trainer, data_source=source)  # and the older one still loads
     assert source.position == 2 and ray.get(trainer.weight_version.remote()) == 2
+
+
+def test_checkpoints_verify_every_file_and_keep_the_most_recent_saves(make_placement, tiny_model_path, tmp_path):
+    """Regression (#23): no integrity check on load; retention by step name deleted the step just saved after a
+    rollback; an interrupted re-save left a directory nothing removed."""
+    from miles_ray.checkpoint import CheckpointCorruptError
+
+    cfg = TrainerGroupConfig(model_path=tiny_model_path, num_ranks=1, optimizer={"lr": 1e-3})
+    trainer = TrainerGroup.remote(cfg, make_placement(placement.colocated(1)))
+    source, ckpt = SyntheticSource(), RunCheckpointer(tmp_path, keep_last=1)
+    ckpt.save(8, trainer, data_source=source)
+    (tmp_path / ".tmp-old-step_00000008-deadbeef").mkdir()  # what a re-save interrupted mid-swap leaves
+    ckpt.save(6, trainer, data_source=source)  # rolled back to an earlier step: this save is the one to keep
+    assert [p.name for p in ckpt.complete()] == ["step_00000006"] and not list(tmp_path.glob(".tmp-*"))
+    train(trainer, source, 1)
+    ckpt.keep_last = 2
+    ckpt.save(7, trainer, data_source=source)
+    assert [p.name for p in ckpt.complete()] == ["step_00000006", "step_00000007"]
+
+    step6 = tmp_path / "step_00000006"
+    data = (step6 / "data.pkl").read_bytes()
+    (step6 / "data.pkl").write_bytes(data[:-1] + bytes([data[-1] ^ 1]))  # one flipped bit
+    with pytest.raises(CheckpointCorruptError, match="data.pkl does not match its sha256"):
+        ckpt.load(step6, trainer, data_source=source)
+    assert ray.get(trainer.weight_version.remote()) == 1 and source.position == 1  # nothing was restored
+    (step6 / "data.pkl").write_bytes(data)
+    shard = next(p for p in (step6 / "trainer").rglob("*") if p.is_file())
+    shard.unlink()
+    with pytest.raises(CheckpointCorruptError, match=f"missing {shard.relative_to(step6).as_posix()}"):
+        ckpt.load(step6, trainer, data_source=source)
+    assert ckpt.load(None, trainer, data_source=source)["step"] == 7  # the intact one loads
 
 
 def test_export_hf_safetensors_loads_in_transformers(make_placement, tiny_model_path, tmp_path):

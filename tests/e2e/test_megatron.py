@@ -4,8 +4,9 @@ resharding, HF export, and GRPO where the engines receive the Megatron-trained w
 import pytest
 import ray
 import torch
+from installs import import_or_missing
 
-pytest.importorskip("megatron.core")
+import_or_missing("megatron.core", "megatron")
 
 from helpers import grpo_in_step, synthetic_group, tiny_stack  # noqa: E402
 

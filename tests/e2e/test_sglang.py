@@ -4,7 +4,8 @@ module, behind the Router and the WeightBroadcaster, with a real trainer on a ti
 Weights reach the server both ways SGLang offers: the server's rank joins the trainer's gloo broadcast group
 (``/init_weights_update_group`` + ``/update_weights_from_distributed``, disaggregated) and, colocated, tensors by
 shared-memory handle (``/update_weights_from_tensor``). The server's interpreter comes from
-``MILES_RAY_SGLANG_PYTHON`` or ``.venv-sglang`` (``scripts/setup_sglang.sh``); without one these tests skip.
+``MILES_RAY_SGLANG_PYTHON`` or ``.venv-sglang`` (``scripts/setup_sglang.sh``); without one these tests skip (and
+fail where ``MILES_RAY_REQUIRE`` names sglang, as in scripts/test.sh).
 """
 
 from pathlib import Path

@@ -2,7 +2,7 @@
 WeightBroadcaster, with a real trainer on a tiny Llama (head_dim 32: vLLM's CPU attention needs >= 32).
 
 The server's interpreter comes from ``MILES_RAY_VLLM_PYTHON`` or ``.venv-vllm`` (``scripts/setup_vllm.sh``);
-without one these tests skip, saying so.
+without one these tests skip, saying so (and fail where ``MILES_RAY_REQUIRE`` names vllm, as in scripts/test.sh).
 """
 
 import pytest
@@ -14,6 +14,7 @@ from helpers import (
     server_python,
     trainer_logprobs,
 )
+from installs import missing
 from transformers import AutoTokenizer
 
 from miles_ray import placement
@@ -31,7 +32,7 @@ def stack(ray_cluster):
     """One vLLM engine, router, trainer (1 rank) and broadcaster on one colocated bundle, for every test here."""
     python = server_python("MILES_RAY_VLLM_PYTHON", ".venv-vllm", "vllm")
     if python is None:
-        pytest.skip("no vLLM environment: run scripts/setup_vllm.sh or set MILES_RAY_VLLM_PYTHON")
+        missing("vllm", "no vLLM environment: run scripts/setup_vllm.sh or set MILES_RAY_VLLM_PYTHON")
     from miles_ray.models.hub import tiny_llama_dir
 
     model_path = str(tiny_llama_dir(hidden_size=128, num_heads=4, num_kv_heads=2))

@@ -129,13 +129,20 @@ class EmbeddedEngineActor(EngineActorBase):
         return self.url
 
     async def health(self) -> dict:
-        """Liveness plus load: queue depth and the loaded weight version."""
+        """Liveness plus load: queue depth and the loaded weight version.
+
+        Raises:
+            EngineDeadError: if the engine's stepping thread has died (the Router then evicts this engine).
+
+        """
+        self.loop.check_alive()
         return {
             "engine_id": self.engine_id,
             "outstanding": self._outstanding,
             "version": self.engine.weight_version(),
             "url": self.url,
             "node_ip": ray.util.get_node_ip_address(),
+            "step_errors": self.loop.step_errors,
             **self.engine.stats(),
         }
 

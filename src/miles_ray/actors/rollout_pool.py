@@ -26,7 +26,7 @@ from miles_ray.actors.vllm_engine import VLLMEngineActor
 from miles_ray.config import StrictConfig, kind_union
 from miles_ray.engines.embedded import EmbeddedEngineConfig
 from miles_ray.engines.http_server import HttpServerConfig
-from miles_ray.engines.requests import DEFAULT_MODEL_NAME
+from miles_ray.engines.requests import DEFAULT_MODEL_NAME, EngineDeadError
 from miles_ray.engines.sglang import SGLangEngineConfig
 from miles_ray.engines.vllm import VLLMEngineConfig
 from miles_ray.placement.groups import Placement
@@ -85,7 +85,10 @@ class RolloutPool:
         return None
 
     def respawn_dead(self, health_timeout_s: float = 60.0) -> dict[int, Any]:
-        """Replace every engine that is dead (or does not answer a health check in time) on its own slot.
+        """Replace every dead engine on its own slot.
+
+        Dead: its actor died, its health check raises ``EngineDeadError`` (the stepping thread or the server process
+        is gone), or it does not answer in time.
 
         A hung engine is killed first. The new engine loads the model from ``engine.model_path`` (weight
         version 0): give it the current weights (``WeightBroadcaster.replace_engine``) before routing to it;
@@ -103,7 +106,7 @@ class RolloutPool:
                 if probe not in ready:
                     raise TimeoutError
                 ray.get(probe)
-            except (ray.exceptions.RayActorError, TimeoutError):
+            except (ray.exceptions.RayActorError, EngineDeadError, TimeoutError):
                 ray.kill(self._engines[i], no_restart=True)  # a hung engine must not come back beside its successor
                 dead.append(i)
         new = {i: self._placement.spawn_one(self._cls, "engine", i, self._args(i), max_concurrency=1000) for i in dead}

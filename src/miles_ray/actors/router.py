@@ -1,8 +1,9 @@
 """Router: an async actor that load-balances generate requests over engines, health-checks and evicts.
 
 Policies: ``round_robin`` and ``least_outstanding`` (fewest in-flight requests sent by this router).
-An engine that dies mid-request (``RayActorError``) is evicted at once and the request is retried on
-another engine; an engine that fails ``max_health_failures`` health checks in a row is evicted too.
+An engine that dies mid-request (``RayActorError``, or ``EngineDeadError``: its stepping thread or server process
+is gone while the actor lives) is evicted at once and the request is retried on another engine; an engine that
+fails ``max_health_failures`` health checks in a row (no answer in time, or an error) is evicted too.
 Evicted engines get no more traffic until ``add_engine`` puts one (e.g. a respawned engine) back.
 
 Usage::
@@ -15,15 +16,18 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 from typing import Literal
 
 import ray
 from pydantic import Field
-from ray.exceptions import GetTimeoutError, RayActorError
+from ray.exceptions import RayActorError
 
 from miles_ray import metrics as mx
 from miles_ray.config import StrictConfig
-from miles_ray.engines.requests import GenerateOutput, GenerateRequest
+from miles_ray.engines.requests import EngineDeadError, GenerateOutput, GenerateRequest
+
+log = logging.getLogger(__name__)
 
 
 class RouterConfig(StrictConfig):
@@ -89,7 +93,7 @@ class Router:
             self._depth(idx)
             try:
                 return await self._engines[idx].generate.remote(request)
-            except RayActorError as exc:
+            except (RayActorError, EngineDeadError) as exc:  # Ray raises an actor's EngineDeadError as one
                 last_exc = exc
                 self._evict(idx)
                 self._retried += 1
@@ -109,7 +113,10 @@ class Router:
 
     async def _health_loop(self) -> None:
         while True:
-            await self.check_health()
+            try:
+                await self.check_health()
+            except Exception:  # the loop must outlive any one round, or nothing is ever evicted again
+                log.exception("router health check round failed")
             await asyncio.sleep(self.config.health_interval_s)
 
     async def check_health(self) -> dict[int, bool]:
@@ -120,7 +127,7 @@ class Router:
             try:
                 await asyncio.wait_for(self._engines[i].health.remote(), self.config.health_timeout_s)
                 return True
-            except (RayActorError, GetTimeoutError, asyncio.TimeoutError):
+            except Exception:  # dead actor, timeout, or a health() that raised (EngineDeadError, a bug)
                 return False
 
         results = await asyncio.gather(*(probe(i) for i in ids))

@@ -241,6 +241,8 @@ class EmbeddedEngine:
     # --- requests ------------------------------------------------------------------------------
     def validate(self, r: GenerateRequest) -> None:
         """Raise ``ValueError`` naming what is wrong with a request."""
+        if not isinstance(r.request_id, str):  # aborts look requests up by id: it must be a hashable string
+            raise ValueError(f"request_id must be a string, got {type(r.request_id).__name__}")
         if not r.prompt_ids:
             raise ValueError("prompt_ids must not be empty")
         vocab = self.model.args.vocab_size
@@ -370,16 +372,33 @@ class EmbeddedEngine:
             if self._paused:
                 return
             admitted = self._admit()
+            running = len(self._running)
             try:
                 if admitted:
                     self._prefill(admitted)
+            except Exception as exc:  # a prompt that cannot prefill fails alone; running rows keep their slots
+                del self._running[running:]
+                _fail(admitted, exc)
+            try:
                 if self._running:
                     self._decode()
             except Exception as exc:  # never take the engine down: fail the affected requests
-                failed = {id(r.req): r.req for r in self._running} | {id(r): r for r in admitted}
-                self._running = []
-                for req in failed.values():
-                    req.on_error(exc)
+                self._fail_running(exc)
+
+    def fail_all(self, exc: BaseException) -> None:
+        """Fail every running and waiting request with ``exc`` and free their slots (the engine stays usable).
+
+        For a failure no single request can be blamed for; ``EngineLoop`` calls it when a step raises.
+        """
+        with self._mu:
+            waiting, self._waiting = list(self._waiting), collections.deque()
+        self._fail_running(exc)
+        _fail(waiting, exc)
+
+    def _fail_running(self, exc: BaseException) -> None:
+        running = {id(r.req): r.req for r in self._running}  # a request's samples share one callback
+        self._running = []
+        _fail(list(running.values()), exc)
 
     def _apply_aborts(self) -> None:
         with self._mu:
@@ -448,7 +467,7 @@ class EmbeddedEngine:
         p = req.request.params
         gen = torch.Generator()
         seed = p.seed * 1000003 + j if p.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._rng))
-        gen.manual_seed(seed)
+        gen.manual_seed(seed % 2**64)  # derived seeds (sample j, a resumed request) may leave manual_seed's range
         stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else {self.eos_token_id})
         return _Row(req, j, gen, stop_ids, length=len(req.request.prompt_ids))
 
@@ -540,6 +559,11 @@ def _sample(
     # the returned logprob from an fp64 log-sum-exp: over a 49k vocabulary the fp32 one adds up to ~1e-5
     wide = logits.double()
     return tokens, (wide.gather(1, tokens[:, None])[:, 0] - torch.logsumexp(wide, dim=-1)).float()
+
+
+def _fail(requests: Collection[_Request], exc: BaseException) -> None:
+    for req in requests:
+        req.on_error(exc)
 
 
 def _keep_freed_memory() -> None:

@@ -12,7 +12,9 @@ standard fields, responses carry the exact token ids (vLLM's names: ``choices[i]
 token-id prompt, so an agent using the ``openai`` client yields trainable token-in/token-out trajectories.
 Streaming is not supported (a 400 says so).
 
-Binds 127.0.0.1 by default; with ``api_key`` every route needs ``Authorization: Bearer <key>``. Invalid
+Binds 127.0.0.1 by default, and any other address only with an ``api_key`` (a secret: never in reprs, and the
+CLI reads it from ``MILES_RAY_ENGINE_API_KEY`` or ``--api-key-file`` so that ``ps`` does not show it); with a key
+every route needs ``Authorization: Bearer <key>``. Invalid
 requests get a 4xx with ``{"error": {"message", "type", "param"}}``; a failing request never stops the engine.
 
 Usage::
@@ -28,16 +30,19 @@ import argparse
 import asyncio
 import base64
 import hmac
+import ipaddress
+import json
+import os
 import time
 import uuid
 from pathlib import Path
 
 from aiohttp import web
-from pydantic import Field, ValidationError
+from pydantic import Field, SecretStr, ValidationError, model_validator
 
 from miles_ray.config import StrictConfig
 from miles_ray.engines.loop import EngineLoop
-from miles_ray.engines.requests import GenerateOutput, GenerateRequest, SamplingParams
+from miles_ray.engines.requests import EngineDeadError, GenerateOutput, GenerateRequest, SamplingParams
 
 
 class HttpServerConfig(StrictConfig):
@@ -45,8 +50,22 @@ class HttpServerConfig(StrictConfig):
 
     host: str = Field("127.0.0.1", description="Bind address; 0.0.0.0 exposes the engine to the network.")
     port: int = Field(0, ge=0, le=65535, description="TCP port; 0 picks a free one.")
-    api_key: str | None = Field(None, description="Bearer token every request must carry; None disables auth.")
-    max_body_mb: int = Field(4096, ge=1, description="Largest request body (weight updates are large).")
+    api_key: SecretStr | None = Field(
+        None, description="Bearer token every request must carry; None disables auth (loopback hosts only)."
+    )
+    max_body_mb: int = Field(4096, ge=1, description="Largest body of a weight update (/update_weights_from_tensor).")
+    max_request_mb: int = Field(
+        32, ge=1, description="Largest body of every other route (generation, control); larger bodies get a 413."
+    )
+
+    @model_validator(mode="after")
+    def _exposed_needs_a_key(self) -> HttpServerConfig:
+        if self.api_key is None and not is_loopback(self.host):
+            raise ValueError(
+                f"host={self.host!r} serves beyond this machine (weight loads, pauses and aborts included): "
+                "set api_key, or bind 127.0.0.1"
+            )
+        return self
 
 
 class RequestError(ValueError):
@@ -63,6 +82,15 @@ _SGLANG_PARAMS = {**_COMMON_PARAMS, "max_new_tokens": "max_new_tokens", "samplin
 _OPENAI_PARAMS = {**_COMMON_PARAMS, "max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens"}
 # accepted fields that are not sampling params (handled, or meaningless for one served model)
 _OPENAI_IGNORED = {"model", "user", "logprobs", "top_logprobs", "return_token_ids", "stream", "tools"}
+MAX_RID_CHARS = 256  # a request id is a name, not a payload
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is reachable from this machine only."""
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name
+        return host == "localhost"
 
 
 def sampling_params(raw: dict, names: dict[str, str], where: str) -> SamplingParams:
@@ -72,11 +100,15 @@ def sampling_params(raw: dict, names: dict[str, str], where: str) -> SamplingPar
         RequestError: naming an unsupported or invalid field.
 
     """
+    if not isinstance(raw, dict):
+        where = where.rstrip(".") or "sampling_params"
+        raise RequestError(f"{where} must be an object of sampling fields, got {type(raw).__name__}", param=where)
     values = {}
     for key, value in raw.items():
         if key not in names:
             raise RequestError(
-                f"{where}{key} is not supported by the embedded engine; supported: {sorted(names)}", param=key
+                f"{where}{key} is not supported by the embedded engine; supported: {sorted(names)}",
+                param=f"{where}{key}",
             )
         if value is None:
             continue
@@ -85,8 +117,9 @@ def sampling_params(raw: dict, names: dict[str, str], where: str) -> SamplingPar
         return SamplingParams(**values)
     except ValidationError as exc:
         err = exc.errors()[0]
-        field = ".".join(str(x) for x in err["loc"]) or "sampling_params"
-        raise RequestError(f"{where}{field}: {err['msg']}", param=field) from None
+        asked = {v: k for k, v in names.items() if k in raw}  # the name the request used (sampling_seed -> seed)
+        field = asked.get(str(err["loc"][0]), str(err["loc"][0])) if err["loc"] else "sampling_params"
+        raise RequestError(f"{where}{field}: {err['msg']}", param=f"{where}{field}") from None
 
 
 class EngineServer:
@@ -126,7 +159,7 @@ class EngineServer:
         key = self.config.api_key
         if key is not None:
             sent = request.headers.get("Authorization", "")
-            if not hmac.compare_digest(sent.encode(), f"Bearer {key}".encode()):
+            if not hmac.compare_digest(sent.encode(), f"Bearer {key.get_secret_value()}".encode()):
                 return _error("missing or wrong bearer token in the Authorization header", 401, "authentication_error")
         try:
             return await handler(request)
@@ -136,12 +169,16 @@ class EngineServer:
             return _error(str(exc), 400)
         except web.HTTPException:
             raise
+        except EngineDeadError as exc:  # the stepping thread is gone: nothing here will be served again
+            return _error(str(exc), 503, "server_error")
         except Exception as exc:  # a bug in one request: answer 500, keep serving
             return _error(f"{type(exc).__name__}: {exc}", 500, "server_error")
 
     # --- SGLang-native routes ------------------------------------------------------------------
     async def health(self, request: web.Request) -> web.Response:
-        """200 while the server runs."""
+        """200 while the engine serves requests; 503 once its stepping thread has died (the process is useless)."""
+        if not self.loop.alive:
+            return _error("the engine's stepping thread has died", 503, "server_error")
         return web.Response(text="")
 
     async def health_generate(self, request: web.Request) -> web.Response:
@@ -153,21 +190,21 @@ class EngineServer:
 
     async def generate(self, request: web.Request) -> web.Response:
         """SGLang ``/generate``: one prompt or a batch (``input_ids`` list of lists, or ``text`` list)."""
-        body = await _json(request)
+        body = await self._json(request)
         unknown = set(body) - {"input_ids", "text", "sampling_params", "return_logprob", "rid", "stream"}
         if unknown:
             raise RequestError(f"unsupported field(s) {sorted(unknown)} in /generate", param=sorted(unknown)[0])
         if body.get("stream"):
             raise RequestError("stream=true is not supported by the embedded engine", param="stream")
         batch, prompts = _prompts(body, self.tokenizer)
-        params = sampling_params(body.get("sampling_params") or {}, _SGLANG_PARAMS, "sampling_params.")
-        rids = body.get("rid")
-        rids = rids if isinstance(rids, list) else [rids] * len(prompts)
-        if len(rids) != len(prompts):
-            raise RequestError(f"rid has {len(rids)} entries for {len(prompts)} prompts", param="rid")
-        reqs = [GenerateRequest(p, params, rid or f"gen-{uuid.uuid4().hex[:12]}") for p, rid in zip(prompts, rids)]
+        raw = body.get("sampling_params")
+        params = sampling_params({} if raw is None else raw, _SGLANG_PARAMS, "sampling_params.")
+        logprob = body.get("return_logprob", False)
+        if not isinstance(logprob, bool):
+            raise RequestError(f"return_logprob must be true or false, got {logprob!r}", "return_logprob")
+        rids = _rids(body.get("rid"), len(prompts))
+        reqs = [GenerateRequest(p, params, rid) for p, rid in zip(prompts, rids)]
         outs = await self._run(reqs)
-        logprob = bool(body.get("return_logprob"))
         items = [_sglang_item(out, r, c, logprob) for out, r in zip(outs, reqs) for c in out.completions]
         return web.json_response(items if batch or params.n > 1 else items[0])
 
@@ -179,7 +216,7 @@ class EngineServer:
         """Load HF-named tensors sent as base64 safetensors bytes (``serialized_named_tensors``)."""
         from safetensors.torch import load as load_safetensors
 
-        body = await _json(request)
+        body = await _json(request, self.config.max_body_mb, "max_body_mb")
         blob = body.get("serialized_named_tensors")
         blobs = blob if isinstance(blob, list) else [blob]
         if not blobs or not all(isinstance(b, str) for b in blobs):
@@ -196,9 +233,15 @@ class EngineServer:
         """Load every ``*.safetensors`` file of ``model_path`` (an HF directory)."""
         from safetensors.torch import load_file
 
-        body = await _json(request)
-        path = Path(str(body.get("model_path", "")))
-        files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
+        body = await self._json(request)
+        raw = body.get("model_path")
+        if not isinstance(raw, str) or not raw:
+            raise RequestError("model_path must be the path of an HF directory (a string)", "model_path")
+        path = Path(raw)
+        try:
+            files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
+        except OSError:  # a name too long, a permission denied: not a directory we can load
+            files = []
         if not files:
             raise RequestError(f"model_path {str(path)!r} is not a directory with *.safetensors files", "model_path")
         named = [kv for f in files for kv in load_file(f).items()]
@@ -220,7 +263,7 @@ class EngineServer:
 
     async def pause_generation(self, request: web.Request) -> web.Response:
         """Pause: ``abort`` (default) ends in-flight requests with their partial output; ``in_place`` keeps them."""
-        body = await _json(request, allow_empty=True)
+        body = await self._json(request, allow_empty=True)
         mode = body.get("mode", "abort")
         if mode not in ("abort", "in_place"):
             raise RequestError(f"mode must be 'abort' or 'in_place', got {mode!r}", "mode")
@@ -234,7 +277,7 @@ class EngineServer:
 
     async def abort_request(self, request: web.Request) -> web.Response:
         """Abort ``rid`` (or everything with ``abort_all``); the caller of that request gets its partial output."""
-        body = await _json(request)
+        body = await self._json(request)
         if body.get("abort_all"):
             self.loop.abort(None)
         elif isinstance(body.get("rid"), str):
@@ -265,7 +308,7 @@ class EngineServer:
 
     async def completions(self, request: web.Request) -> web.Response:
         """OpenAI ``/v1/completions``; ``prompt`` may be text, token ids, or a list of either."""
-        body = await _json(request)
+        body = await self._json(request)
         prompt = body.get("prompt")
         if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and isinstance(prompt[0], int)):
             prompt = [prompt]
@@ -297,14 +340,15 @@ class EngineServer:
 
     async def chat_completions(self, request: web.Request) -> web.Response:
         """OpenAI ``/v1/chat/completions`` through the tokenizer's chat template (``tools`` passed to it)."""
-        body = await _json(request)
+        body = await self._json(request)
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
             raise RequestError("messages must be a non-empty list of {role, content} objects", "messages")
+        tools = body.get("tools")
+        if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+            raise RequestError("tools must be a list of tool objects ({type, function})", "tools")
         try:
-            text = self.tokenizer.apply_chat_template(
-                messages, tools=body.get("tools"), tokenize=False, add_generation_prompt=True
-            )
+            text = self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
         except Exception as exc:
             raise RequestError(f"messages do not fit the model's chat template: {exc}", "messages") from None
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -350,6 +394,9 @@ class EngineServer:
             raw["max_tokens"] = default_max
         return sampling_params(raw, _OPENAI_PARAMS, ""), logprobs is not None and logprobs is not False
 
+    async def _json(self, request: web.Request, allow_empty: bool = False) -> dict:
+        return await _json(request, self.config.max_request_mb, "max_request_mb", allow_empty)
+
     def _encode(self, prompt) -> list[int]:
         if isinstance(prompt, str):
             return self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
@@ -359,6 +406,7 @@ class EngineServer:
 
     async def _run(self, reqs: list[GenerateRequest]) -> list[GenerateOutput]:
         """Run ``reqs`` together; all are validated first, so a bad one queues none."""
+        self.loop.check_alive()  # a dead engine says so (503) whatever the request
         for r in reqs:
             self.engine.validate(r)
         return list(await asyncio.gather(*(self.loop.generate(r) for r in reqs)))
@@ -386,16 +434,42 @@ def _error(message: str, status: int, kind: str = "invalid_request_error", param
     return web.json_response(body, status=status)
 
 
-async def _json(request: web.Request, allow_empty: bool = False) -> dict:
-    if allow_empty and not await request.read():
+async def _json(request: web.Request, limit_mb: int, limit_field: str, allow_empty: bool = False) -> dict:
+    """The body as a JSON object, read in chunks up to ``limit_mb`` (a 413 past it, before reading the rest)."""
+    limit = limit_mb * 2**20
+    too_large = RequestError(
+        f"the request body exceeds the {limit_mb} MB limit of {request.path} (HttpServerConfig.{limit_field})",
+        status=413,
+    )
+    if request.content_length is not None and request.content_length > limit:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.content.iter_any():
+        size += len(chunk)
+        if size > limit:  # chunked bodies carry no length up front
+            raise too_large
+        chunks.append(chunk)
+    if allow_empty and size == 0:
         return {}
     try:
-        body = await request.json()
-    except Exception:
+        body = json.loads(b"".join(chunks))
+    except (ValueError, RecursionError):  # not JSON, not UTF-8, or nested past the parser's depth
         raise RequestError("request body must be a JSON object") from None
     if not isinstance(body, dict):
         raise RequestError("request body must be a JSON object")
     return body
+
+
+def _rids(rid, num_prompts: int) -> list[str]:
+    """One request id per prompt: a string (shared by a batch) or a list of strings; generated ones when absent."""
+    if rid is None:
+        return [f"gen-{uuid.uuid4().hex[:12]}" for _ in range(num_prompts)]
+    rids = rid if isinstance(rid, list) else [rid] * num_prompts  # one rid for a batch: one abort ends it all
+    if not all(isinstance(r, str) and 0 < len(r) <= MAX_RID_CHARS for r in rids):
+        raise RequestError(f"rid must be a string of 1 to {MAX_RID_CHARS} characters, or a list of them", "rid")
+    if len(rids) != num_prompts:
+        raise RequestError(f"rid has {len(rids)} entries for {num_prompts} prompts", "rid")
+    return rids
 
 
 def _prompts(body: dict, tokenizer) -> tuple[bool, list[list[int]]]:
@@ -472,13 +546,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
-    p.add_argument("--api-key", default=None)
+    p.add_argument("--api-key", default=None, help="visible in ps: prefer MILES_RAY_ENGINE_API_KEY or --api-key-file")
+    p.add_argument("--api-key-file", default=None, help="a file holding the bearer token")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--max-batch-size", type=int, default=64)
     p.add_argument("--max-seq-len", type=int, default=1024)
     p.add_argument("--kv-cache-memory-gb", type=float, default=2.0)
     p.add_argument("--num-threads", type=int, default=1)
     a = p.parse_args(argv)
+    key = a.api_key or os.environ.get("MILES_RAY_ENGINE_API_KEY")
+    if a.api_key_file:
+        key = Path(a.api_key_file).read_text().strip()
+    config = HttpServerConfig(host=a.host, port=a.port, api_key=key)  # checked before the model loads
     engine = EmbeddedEngine(
         EmbeddedEngineConfig(
             model_path=a.model_path,
@@ -489,7 +568,6 @@ def main(argv: list[str] | None = None) -> None:
             num_threads=a.num_threads,
         )
     )
-    config = HttpServerConfig(host=a.host, port=a.port, api_key=a.api_key)
 
     async def serve() -> None:
         runner, url = await start_server(EngineLoop(engine), a.served_model_name or Path(a.model_path).name, config)

@@ -2,7 +2,9 @@
 
 The engine actor and the HTTP server share one loop per engine, so Ray calls and HTTP requests join the
 same running batch. A request whose awaiting task is cancelled (a client that went away, a cancelled
-Ray task) is aborted, so it stops taking a slot.
+Ray task) is aborted, so it stops taking a slot. A step that raises outside the engine's own per-request
+isolation fails the requests in the engine and the loop goes on; ``alive`` says whether the thread still runs
+(``health`` reports it), and a dead loop answers every request with ``EngineDeadError`` instead of hanging.
 
 Usage::
 
@@ -14,10 +16,13 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import threading
 
 from miles_ray.engines.embedded import EmbeddedEngine
-from miles_ray.engines.requests import GenerateOutput, GenerateRequest
+from miles_ray.engines.requests import EngineDeadError, GenerateOutput, GenerateRequest
+
+log = logging.getLogger(__name__)
 
 
 class EngineLoop:
@@ -27,16 +32,32 @@ class EngineLoop:
         self.engine = engine
         self._wake = threading.Event()
         self._ids = itertools.count()
+        self.step_errors = 0  # steps that raised past the engine's per-request isolation
         self._thread = threading.Thread(target=self._run, name="miles-ray-engine-loop", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         while True:
-            if self.engine.has_work():
-                self.engine.step()
-            else:
-                self._wake.wait()
-                self._wake.clear()
+            try:
+                if self.engine.has_work():
+                    self.engine.step()
+                else:
+                    self._wake.wait()
+                    self._wake.clear()
+            except Exception as exc:  # a bug no request can be blamed for: fail them all, keep serving
+                self.step_errors += 1
+                log.exception("engine step failed; failing the requests in the engine")
+                self.engine.fail_all(exc)
+
+    @property
+    def alive(self) -> bool:
+        """Whether the stepping thread runs (requests are served)."""
+        return self._thread.is_alive()
+
+    def check_alive(self) -> None:
+        """Raise ``EngineDeadError`` if the stepping thread has died."""
+        if not self.alive:
+            raise EngineDeadError("the embedded engine's stepping thread has died; no request can be served")
 
     def wake(self) -> None:
         """Make the worker look for work now (after a submit, abort or resume)."""
@@ -49,8 +70,10 @@ class EngineLoop:
 
         Raises:
             ValueError: for an invalid request (nothing is queued).
+            EngineDeadError: if the stepping thread has died.
 
         """
+        self.check_alive()
         if not request.request_id:
             request.request_id = f"req-{next(self._ids)}"
         loop = asyncio.get_running_loop()

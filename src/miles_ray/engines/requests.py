@@ -40,6 +40,15 @@ def check_pause_mode(mode: str) -> None:
         raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
 
 
+class EngineDeadError(RuntimeError):
+    """The engine can serve no more requests: its stepping thread died or its server process exited.
+
+    Engine actors raise it from ``generate`` and ``health``; the Router evicts the engine and retries the request
+    elsewhere, as for an actor that died, and ``RolloutPool.respawn_dead`` replaces it. A ``ValueError`` instead
+    means the request was bad and the engine is fine.
+    """
+
+
 class SamplingParams(StrictConfig):
     """How to sample responses for one prompt."""
 
@@ -51,7 +60,12 @@ class SamplingParams(StrictConfig):
     stop_token_ids: list[int] = Field(default_factory=list, description="Token ids that end a response (kept).")
     stop: list[str] = Field(default_factory=list, description="Strings that end a response when generated.")
     ignore_eos: bool = Field(False, description="Do not stop at the tokenizer's EOS token.")
-    seed: int | None = Field(None, description="Seed for this request's sampling; None draws from the engine RNG.")
+    seed: int | None = Field(
+        None,
+        ge=-(2**63),
+        lt=2**63,
+        description="Seed for this request's sampling (a signed 64-bit integer); None draws from the engine RNG.",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> SamplingParams:

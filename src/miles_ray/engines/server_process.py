@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -17,7 +18,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from miles_ray.engines.requests import SamplingParams
+from miles_ray.engines.requests import EngineDeadError, SamplingParams
+
+_FLAG_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")
 
 
 def free_port() -> int:
@@ -31,14 +34,19 @@ class ServerError(RuntimeError):
     """The server failed to start or answered an error."""
 
 
+class ServerDiedError(ServerError, EngineDeadError):
+    """The server process has exited: the engine serves nothing until it is replaced."""
+
+
 class ServerProcess:
     """A server child process on ``self.url``; subclasses define ``name``, ``error``, ``command`` and ``env``."""
 
     name = "server"
     error: type[ServerError] = ServerError
 
-    def __init__(self, startup_timeout_s: float):
+    def __init__(self, startup_timeout_s: float, request_timeout_s: float = 1800.0):
         self.startup_timeout_s = startup_timeout_s
+        self.request_timeout_s = request_timeout_s
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._log = tempfile.NamedTemporaryFile(prefix=f"miles_ray_{self.name}_", suffix=".log", delete=False)
@@ -64,15 +72,16 @@ class ServerProcess:
         return Path(self._log.name).read_text(errors="replace")[-num_chars:]
 
     def check_alive(self) -> None:
-        """Raise ``self.error`` (with the log's tail) if the server process has exited."""
+        """Raise ``ServerDiedError`` (with the log's tail) if the server process has exited."""
         if self._proc.poll() is not None:
-            raise self.error(f"{self.name} server exited with {self._proc.returncode}:\n{self.log_tail()}")
+            raise ServerDiedError(f"{self.name} server exited with {self._proc.returncode}:\n{self.log_tail()}")
 
     async def _client(self):
         import aiohttp
 
-        if self._session is None:
-            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
+        if self._session is None:  # no total limit (generations are long); a server silent this long is hung
+            timeout = aiohttp.ClientTimeout(total=None, sock_connect=30.0, sock_read=self.request_timeout_s)
+            self._session = aiohttp.ClientSession(timeout=timeout)
         return self._session
 
     async def wait_healthy(self) -> None:
@@ -82,15 +91,17 @@ class ServerProcess:
             ServerError: if the process exits or the timeout passes (with the log's tail).
 
         """
+        import aiohttp
+
         session = await self._client()
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
             self.check_alive()
             try:
-                async with session.get(f"{self.url}/health") as resp:
+                async with session.get(f"{self.url}/health", timeout=aiohttp.ClientTimeout(total=10.0)) as resp:
                     if resp.status == 200:
                         return
-            except OSError:
+            except (OSError, aiohttp.ClientError, asyncio.TimeoutError):
                 pass
             await asyncio.sleep(0.5)
         raise self.error(f"{self.name} server not healthy after {self.startup_timeout_s}s:\n{self.log_tail()}")
@@ -98,7 +109,10 @@ class ServerProcess:
     async def request(self, method: str, route: str, json: dict | None = None, params: dict | None = None) -> dict:
         """Call the server; a non-2xx answer raises ``self.error`` (``ValueError`` for a 400).
 
-        A dropped connection raises ``self.error`` with the log's tail when the server has died meanwhile.
+        A server that sends nothing for ``request_timeout_s`` raises ``self.error`` (the Router's health checks decide
+        whether the engine is evicted).
+
+        A dropped connection raises ``ServerDiedError`` with the log's tail when the server has died meanwhile.
         """
         import aiohttp
 
@@ -106,6 +120,10 @@ class ServerProcess:
         try:
             async with session.request(method, f"{self.url}{route}", json=json, params=params) as resp:
                 body = await resp.json(content_type=None) if resp.content_length != 0 else {}
+        except asyncio.TimeoutError:  # aiohttp's ServerTimeoutError is both; a silent server is not a dropped one
+            self.check_alive()
+            msg = f"{self.name} {route} sent nothing for {self.request_timeout_s}s (request_timeout_s): it hangs"
+            raise self.error(msg) from None
         except aiohttp.ClientConnectionError:
             await asyncio.sleep(1.0)  # a crashing server takes a moment to exit
             self.check_alive()
@@ -174,12 +192,18 @@ def server_flags(args: dict[str, str | int | float | bool]) -> list[str]:
 
 
 def check_passthrough(args: dict, own_flags: set[str], field: str, owner: str) -> None:
-    """Refuse passthrough flags the engine config sets itself.
+    """Refuse passthrough flags the engine config sets itself, and keys that are not a flag name.
+
+    A key such as ``"host=0.0.0.0"`` would become ``--host=0.0.0.0`` and set a flag the config owns; keys are
+    therefore flag names only (letters, digits, ``_`` and ``-``).
 
     Raises:
-        ValueError: naming ``field`` and the clashing flags.
+        ValueError: naming ``field`` and the clashing or malformed keys.
 
     """
+    malformed = sorted(k for k in args if not _FLAG_NAME.fullmatch(k))
+    if malformed:
+        raise ValueError(f"{field} keys must be flag names (letters, digits, _ and -), got {malformed}")
     clash = sorted(k for k in args if k.replace("_", "-") in own_flags)
     if clash:
         raise ValueError(f"{field} may not set {clash}: {owner} sets them (use its fields)")

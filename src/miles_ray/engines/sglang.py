@@ -141,6 +141,9 @@ class SGLangEngineConfig(StrictConfig):
     seed: int = Field(0, description="Server seed (per-request seeds come from SamplingParams.seed).")
     env: dict[str, str] = Field(default_factory=dict, description="Extra environment for the server.")
     startup_timeout_s: float = Field(600.0, gt=0.0, description="How long the server may take to become healthy.")
+    request_timeout_s: float = Field(
+        1800.0, gt=0.0, description="A request (generation, weight load) whose server sends nothing this long fails."
+    )
     lora: SGLangLoRAConfig | None = Field(
         None, description="Serve the LoRA adapters of a LoRA trainer (adapter-only syncs). None: full weights."
     )
@@ -175,7 +178,7 @@ class SGLangServer(ServerProcess):
     def __init__(self, config: SGLangEngineConfig, served_model_name: str = DEFAULT_MODEL_NAME):
         self.config, self.model_name = config, served_model_name
         self.device = config.resolved_device()
-        super().__init__(config.startup_timeout_s)
+        super().__init__(config.startup_timeout_s, config.request_timeout_s)
 
     def command(self) -> list[str]:
         """The server's command line."""

@@ -94,6 +94,9 @@ class VLLMEngineConfig(StrictConfig):
         description="Extra environment for the server (e.g. {'VLLM_CPU_OMP_THREADS_BIND': '0'} to pin CPU threads).",
     )
     startup_timeout_s: float = Field(600.0, gt=0.0, description="How long the server may take to become healthy.")
+    request_timeout_s: float = Field(
+        1800.0, gt=0.0, description="A request (generation, weight load) whose server sends nothing this long fails."
+    )
     vllm_args: dict[str, str | int | float | bool] = Field(
         default_factory=dict,
         description="Extra server flags without '--' (e.g. {'gpu-memory-utilization': 0.5}); True is a bare flag.",
@@ -116,7 +119,7 @@ class VLLMServer(ServerProcess):
 
     def __init__(self, config: VLLMEngineConfig, served_model_name: str = DEFAULT_MODEL_NAME):
         self.config, self.model_name = config, served_model_name
-        super().__init__(config.startup_timeout_s)
+        super().__init__(config.startup_timeout_s, config.request_timeout_s)
         shm = Path("/dev/shm")
         self._weights_dir = Path(tempfile.mkdtemp(prefix="miles_ray_vllm_w_", dir=shm if shm.is_dir() else None))
 

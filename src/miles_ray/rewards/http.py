@@ -19,6 +19,9 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import asyncio
+import concurrent.futures
+import hmac
 import inspect
 import math
 from collections.abc import Callable
@@ -58,31 +61,38 @@ class HttpReward:
         return await self._post("/reward_group", {"responses": texts, "entry": entry}, "rewards")
 
 
-def reward_app(fn: str | Callable, group_fn: str | Callable | None = None, api_key: str | None = None):
+def reward_app(
+    fn: str | Callable, group_fn: str | Callable | None = None, api_key: str | None = None, max_workers: int = 32
+):
     """An aiohttp application serving ``fn`` at ``/reward`` (and ``group_fn`` at ``/reward_group``).
 
-    ``fn(text, entry) -> float`` and ``group_fn(texts, entry) -> list[float]`` may be async. A request
-    without the fields, or a function that raises or returns a non-finite number, gets a 4xx/5xx answer
+    ``fn(text, entry) -> float`` and ``group_fn(texts, entry) -> list[float]`` may be async; synchronous ones run
+    on worker threads (``max_workers`` at once), so a slow call never holds up the others or the health route. A
+    request without the fields, or a function that raises or returns a non-finite number, gets a 4xx/5xx answer
     naming the problem (the client records it as that sample's failure).
     """
     from aiohttp import web
 
     single = resolve_callable(fn, "reward fn")
     group = resolve_callable(group_fn, "reward group_fn") if group_fn is not None else None
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="reward-server")
 
     async def call(f, *args):
-        out = f(*args)
+        if _is_async(f):
+            return await f(*args)
+        out = await asyncio.get_running_loop().run_in_executor(pool, f, *args)
         return await out if inspect.isawaitable(out) else out
 
     def bad(message: str, status: int = 400):
         return web.json_response({"error": message}, status=status)
 
     async def handle(request, f, in_field: str, out_field: str):
-        if api_key and request.headers.get("Authorization") != f"Bearer {api_key}":
+        sent = request.headers.get("Authorization", "").encode()
+        if api_key and not hmac.compare_digest(sent, f"Bearer {api_key}".encode()):
             return bad("missing or wrong bearer token", 401)
         try:
             body = await request.json()
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
             return bad("body must be JSON")
         if not isinstance(body, dict) or in_field not in body:
             return bad(f"body needs {in_field!r} and 'entry'")
@@ -104,12 +114,21 @@ def reward_app(fn: str | Callable, group_fn: str | Callable | None = None, api_k
     async def health(request):
         return web.json_response({"ok": True})
 
+    async def close_pool(app):
+        pool.shutdown(wait=False, cancel_futures=True)
+
     app = web.Application()
+    app.on_cleanup.append(close_pool)
     app.router.add_post("/reward", reward_route)
     if group is not None:
         app.router.add_post("/reward_group", group_route)
     app.router.add_get("/health", health)
     return app
+
+
+def _is_async(f: Callable) -> bool:
+    """A coroutine function, or an object whose ``__call__`` is one."""
+    return inspect.iscoroutinefunction(f) or inspect.iscoroutinefunction(type(f).__call__)
 
 
 def main(argv: list[str] | None = None) -> None:

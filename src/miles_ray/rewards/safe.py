@@ -14,9 +14,10 @@ Usage::
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import inspect
 import math
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -39,33 +40,97 @@ class RewardFailure:
 class SafeReward:
     """A reward function that never raises: failures come back as ``RewardFailure``."""
 
-    def __init__(self, fn: str | Callable[[str, Any], float], timeout_s: float = 30.0, max_workers: int = 8):
+    def __init__(
+        self,
+        fn: str | Callable[[str, Any], float],
+        timeout_s: float = 30.0,
+        max_workers: int = 8,
+        max_hung: int = 64,
+    ):
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.fn = _resolve_callable(fn, "reward function")
         self.timeout_s = timeout_s
-        # a hung call keeps its worker thread; the pool bounds how many can pile up
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="reward")
+        self.max_hung = max_hung
+        # Python cannot kill a thread: a call past its timeout is left to finish on its own daemon thread and stops
+        # counting against `max_workers`, so hung calls never starve the others; `max_hung` bounds how many linger
+        self._slots = threading.BoundedSemaphore(max_workers)
+        self._mu = threading.Lock()
+        self._hung = 0
 
     def _call(self, *args: Any) -> Any:
         out = self.fn(*args)  # async functions and objects with an async __call__ return an awaitable
         return asyncio.run(_await(out)) if inspect.isawaitable(out) else out
 
+    @property
+    def hung(self) -> int:
+        """Calls past their timeout whose thread still runs."""
+        return self._hung
+
     def _run(self, *args: Any) -> tuple[Any, RewardFailure | None]:
         """The function's raw result, or a failure if it raised or timed out."""
-        future = self._pool.submit(self._call, *args)
-        try:
-            return future.result(timeout=self.timeout_s), None
-        except concurrent.futures.TimeoutError:
-            future.cancel()
-            return None, RewardFailure("timeout", f"reward function took longer than {self.timeout_s}s")
-        except Exception as exc:  # a user's reward function may raise anything
-            return None, RewardFailure("exception", f"{type(exc).__name__}: {exc}")
+        timeout = RewardFailure("timeout", f"reward function took longer than {self.timeout_s}s")
+        if self._hung >= self.max_hung:
+            return None, RewardFailure("timeout", f"{self._hung} earlier calls still hang (max_hung); not calling")
+        deadline = time.monotonic() + self.timeout_s
+        if not self._slots.acquire(timeout=self.timeout_s):  # max_workers calls are running
+            return None, timeout
+        call = _Call(self._call, args)
+        threading.Thread(target=call.run, args=(self._finished,), name="reward", daemon=True).start()
+        if not call.done.wait(max(0.0, deadline - time.monotonic())):
+            with self._mu:
+                if call.abandon():  # still running: hand its slot to the next call
+                    self._hung += 1
+                    self._slots.release()
+            return (None, timeout) if call.abandoned else call.result()
+        return call.result()
+
+    def _finished(self, call: _Call) -> None:
+        """On the call's thread when it returns: free its slot, or its place among the hung calls."""
+        with self._mu:
+            call.returned = True
+            if call.abandoned:
+                self._hung -= 1
+            else:
+                self._slots.release()
 
     def __call__(self, text: str, entry: Any) -> tuple[float, RewardFailure | None]:
         """``(reward, None)`` on success, ``(0.0, failure)`` otherwise."""
         value, failure = self._run(text, entry)
         return (0.0, failure) if failure is not None else _checked_value(value)
+
+
+class _Call:
+    """One call of the reward function on a thread of its own, given up on (``abandon``) after the timeout."""
+
+    def __init__(self, fn: Callable, args: tuple):
+        self.fn, self.args = fn, args
+        self.done = threading.Event()
+        self.returned = False  # set under the owner's lock, as `abandoned` is: exactly one of them frees the slot
+        self.abandoned = False
+        self._value: Any = None
+        self._error: BaseException | None = None
+
+    def run(self, finished: Callable[[_Call], None]) -> None:
+        try:
+            self._value = self.fn(*self.args)
+        except BaseException as exc:  # a user's reward function may raise anything
+            self._error = exc
+        finally:
+            finished(self)
+            self.done.set()
+
+    def abandon(self) -> bool:
+        """Give up on a call still running (the caller holds the owner's lock); False if it has just returned."""
+        if self.returned:
+            return False
+        self.abandoned = True
+        return True
+
+    def result(self) -> tuple[Any, RewardFailure | None]:
+        if self._error is not None:
+            return None, RewardFailure("exception", f"{type(self._error).__name__}: {self._error}")
+        return self._value, None
 
 
 async def _await(awaitable):

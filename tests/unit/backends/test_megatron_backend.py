@@ -5,8 +5,9 @@ TP=2, checkpoint resharding and the GRPO run with engines are in tests/e2e/test_
 
 import pytest
 import torch
+from installs import import_or_missing
 
-pytest.importorskip("megatron.core")
+import_or_missing("megatron.core", "megatron")
 pytestmark = pytest.mark.megatron
 
 from miles_ray.backends import ObjectiveConfig, OptimizerConfig, TorchBackendConfig  # noqa: E402

@@ -235,3 +235,85 @@ def test_sampler_draws_from_the_truncated_distribution():
     assert freq[2:].sum() == 0 and abs(freq[0] - 2 / 3) < 0.03
     freq, _, _ = draw(temperature=0)
     assert freq[0] == 1
+
+
+def test_a_prompt_that_fails_prefill_fails_alone(engine, monkeypatch):
+    """Regression (#23): a prefill failure used to fail every running request with the bad one."""
+    running = _submit(engine, GenerateRequest(PROMPT, SamplingParams(max_new_tokens=20, ignore_eos=True), "ok"))
+    engine.step()
+    new_row = engine._new_row
+
+    def broken(req, j):  # fault injection: one request's row cannot be built (as a bad seed once did)
+        if req.request.request_id == "bad":
+            raise RuntimeError("injected prefill failure")
+        return new_row(req, j)
+
+    monkeypatch.setattr(engine, "_new_row", broken)
+    bad = _submit(engine, GenerateRequest(PROMPT, SamplingParams(max_new_tokens=5), "bad"))
+    for _ in range(40):
+        if running:
+            break
+        engine.step()
+    assert "err" not in running and "injected prefill failure" in str(bad["err"])
+    assert len(running["out"].completions[0].token_ids) == 20
+
+
+def test_an_out_of_range_seed_is_refused_and_derived_seeds_wrap():
+    with pytest.raises(ValueError, match="seed"):
+        SamplingParams(seed=2**63)
+    SamplingParams(seed=-(2**63))
+    # a resumed request derives seed * 7919 + ...: past 64 bits, the engine wraps it instead of failing
+    derived = SamplingParams(seed=2**62).model_copy(update={"seed": 2**62 * 7919})
+    assert derived.seed > 2**64
+
+
+def test_a_huge_derived_seed_samples(engine):
+    derived = SamplingParams(max_new_tokens=3, ignore_eos=True).model_copy(update={"seed": 2**62 * 7919})
+    [out] = engine.generate([GenerateRequest(PROMPT, derived)])
+    assert len(out.completions[0].token_ids) == 3
+
+
+def test_a_request_id_must_be_a_string(engine):
+    with pytest.raises(ValueError, match="request_id must be a string"):
+        engine.generate([GenerateRequest(PROMPT, SamplingParams(), request_id={"a": 1})])
+
+
+def test_the_loop_survives_a_failing_step_and_reports_a_dead_thread(tiny_model_path):
+    """A step raising past the engine's isolation fails the requests in flight, not the loop; a dead loop says so."""
+    import asyncio
+
+    from miles_ray.engines.loop import EngineLoop
+    from miles_ray.engines.requests import EngineDeadError
+
+    engine = EmbeddedEngine(EmbeddedEngineConfig(model_path=tiny_model_path, max_batch_size=4, max_seq_len=64))
+    loop = EngineLoop(engine)
+    apply_aborts = engine._apply_aborts
+    calls = {"n": 0}
+
+    def broken_once():  # fault injection: the abort bookkeeping raises once (an unhashable rid used to)
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise TypeError("injected: unhashable type")
+        apply_aborts()
+
+    engine._apply_aborts = broken_once
+    request = GenerateRequest(PROMPT, SamplingParams(max_new_tokens=30, ignore_eos=True))
+
+    async def scenario():
+        with pytest.raises(TypeError, match="injected"):
+            await asyncio.wait_for(loop.generate(request), 30)
+        again = await asyncio.wait_for(loop.generate(GenerateRequest(PROMPT, SamplingParams(max_new_tokens=2))), 30)
+        return again
+
+    again = asyncio.run(scenario())
+    assert loop.step_errors == 1 and loop.alive and len(again.completions[0].token_ids) <= 2
+
+    def exit_thread():  # fault injection: something no `except Exception` catches ends the thread
+        raise SystemExit
+
+    engine.has_work = exit_thread
+    loop.wake()
+    loop._thread.join(10)
+    assert not loop.alive
+    with pytest.raises(EngineDeadError, match="stepping thread has died"):
+        asyncio.run(loop.generate(GenerateRequest(PROMPT, SamplingParams(max_new_tokens=2))))

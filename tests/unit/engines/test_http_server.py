@@ -168,3 +168,114 @@ def test_pause_abort_and_continue(server):
     t.join(60)
     assert box["r"]["meta_info"]["finish_reason"]["type"] == "length"
     assert _post(server, "/pause_generation", {"mode": "retract"}).status_code == 400
+
+
+def _still_generates(server) -> bool:
+    """A short request answered within 30 s: the engine loop is alive."""
+    body = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2, "ignore_eos": True}}
+    try:
+        return requests.post(f"{server}/generate", json=body, headers=_auth(), timeout=30).status_code == 200
+    except requests.Timeout:
+        return False
+
+
+@pytest.mark.parametrize("rid", [{"a": 1}, [[1]], 7, "r" * 300, [""]])
+def test_a_bad_rid_is_refused_and_later_aborts_keep_the_loop_alive(server, rid):
+    """Regression (#23): an unhashable rid used to kill the engine loop at the next abort; /health stayed 200."""
+    assert _post(server, "/pause_generation", {"mode": "in_place"}).status_code == 200  # keeps the request queued
+    body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}, "rid": rid}
+    t, box = _in_thread(lambda: _post(server, "/generate", body))
+    deadline = time.monotonic() + 30  # until it is refused (fixed) or queued (the abort below then reaches it)
+    while "r" not in box and requests.get(f"{server}/get_model_info", headers=_auth(), timeout=5).json()["waiting"] < 1:
+        assert time.monotonic() < deadline, "the request neither queued nor was refused"
+        time.sleep(0.01)
+    assert _post(server, "/abort_request", {"rid": "someone-else"}).status_code == 200
+    assert _post(server, "/continue_generation", {}).status_code == 200
+    assert _still_generates(server)
+    t.join(60)
+    assert box["r"].status_code == 400 and box["r"].json()["error"]["param"] == "rid", box["r"].text
+
+
+def test_a_huge_seed_fails_alone(server):
+    """Regression (#23): a seed past 64 bits failed inside prefill and took the running request down with it."""
+    long = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 64, "ignore_eos": True}}
+    t, box = _in_thread(lambda: _post(server, "/generate", long))
+    _wait_running(server, 1)
+    for seed_field in ("sampling_seed", "seed"):
+        bad = _post(server, "/generate", {"input_ids": PROMPT, "sampling_params": {seed_field: 10**30}})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == f"sampling_params.{seed_field}", bad.text
+    openai = _post(server, "/v1/completions", {"prompt": PROMPT, "seed": -(10**30), "max_tokens": 2})
+    assert openai.status_code == 400 and openai.json()["error"]["param"] == "seed", openai.text
+    t.join(120)
+    assert box["r"].status_code == 200 and len(box["r"].json()["output_ids"]) == 64
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "param"),
+    [
+        ("/generate", {"input_ids": PROMPT, "sampling_params": [1, 2]}, "sampling_params"),
+        ("/generate", {"input_ids": PROMPT, "sampling_params": "greedy"}, "sampling_params"),
+        ("/generate", {"input_ids": PROMPT, "sampling_params": {"stop": 5}}, "sampling_params.stop"),
+        ("/generate", {"input_ids": PROMPT, "return_logprob": "yes"}, "return_logprob"),
+        ("/v1/completions", {"prompt": PROMPT, "stop": {"a": 1}}, "stop"),
+        ("/v1/completions", {"prompt": [PROMPT, 3]}, "prompt"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": "all"}, "tools"),
+        ("/update_weights_from_tensor", {"serialized_named_tensors": "bm9wZQ==", "weight_version": "v1"}, None),
+        ("/abort_request", {"rid": ["a"]}, "rid"),
+        ("/pause_generation", {"mode": ["abort"]}, "mode"),
+    ],
+)
+def test_wrong_types_get_400_naming_the_field(server, route, body, param):
+    """Regression (#23): a wrong-typed field used to surface as a 500 with an AttributeError."""
+    r = _post(server, route, body)
+    assert r.status_code == 400, r.text
+    if param is not None:
+        assert r.json()["error"]["param"] == param, r.text
+    assert _still_generates(server)
+
+
+def test_an_oversized_body_gets_413_on_inference_routes(server):
+    """Regression (#23): inference routes took bodies up to the weight-update limit, and a 413 became a 400."""
+    big = {"input_ids": PROMPT, "rid": "x" * (33 * 2**20)}  # over the 32 MB request limit
+    r = _post(server, "/generate", big)
+    assert r.status_code == 413 and "32 MB" in r.json()["error"]["message"], r.text[:300]
+    assert _still_generates(server)
+
+
+def test_an_exposed_host_needs_a_key_and_the_key_stays_secret():
+    """Regression (#23): host=0.0.0.0 without a key served weight loads and aborts to the whole network."""
+    from miles_ray.engines.http_server import HttpServerConfig
+
+    for host in ("0.0.0.0", "10.1.2.3", "::"):
+        with pytest.raises(ValueError, match="set api_key, or bind 127.0.0.1"):
+            HttpServerConfig(host=host)
+    assert HttpServerConfig(host="::1").api_key is None and HttpServerConfig(host="localhost").api_key is None
+    config = HttpServerConfig(host="0.0.0.0", api_key="hunter2")
+    assert "hunter2" not in repr(config) and "hunter2" not in str(config.model_dump())
+    assert config.api_key.get_secret_value() == "hunter2"
+
+
+def test_a_dead_stepping_thread_answers_503(tiny_model_path):
+    """/health said 200 while nothing was served any more (#23); now health and requests answer 503."""
+    from app_server import serve_in_thread
+
+    from miles_ray.engines.embedded import EmbeddedEngine, EmbeddedEngineConfig
+    from miles_ray.engines.http_server import EngineServer
+    from miles_ray.engines.loop import EngineLoop
+
+    engine = EmbeddedEngine(EmbeddedEngineConfig(model_path=tiny_model_path, max_batch_size=2, max_seq_len=64))
+    loop = EngineLoop(engine)
+    with serve_in_thread(EngineServer(loop, "tiny").app) as url:
+        assert requests.get(f"{url}/health", timeout=10).status_code == 200
+
+        def exit_thread():  # fault injection: end the stepping thread past its `except Exception`
+            raise SystemExit
+
+        engine.has_work = exit_thread
+        loop.wake()
+        loop._thread.join(10)
+        assert requests.get(f"{url}/health", timeout=10).status_code == 503
+        body = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}}
+        r = requests.post(f"{url}/generate", json=body, timeout=10)
+        assert r.status_code == 503 and "stepping thread has died" in r.json()["error"]["message"]

@@ -22,6 +22,8 @@ def test_sglang_args_may_not_override_what_the_engine_sets():
         SGLangEngineConfig(model_path="m", sglang_args={"port": 1, "tp_size": 2})
     with pytest.raises(ValueError, match="mem_fraction_static"):
         SGLangEngineConfig(model_path="m", mem_fraction_static=1.5)
+    with pytest.raises(ValueError, match="sglang_args keys must be flag names"):  # would be --host=0.0.0.0
+        SGLangEngineConfig(model_path="m", sglang_args={"host=0.0.0.0": True})
 
 
 def test_cpu_command_and_environment_apply_the_shim_and_gpu_ones_do_not():

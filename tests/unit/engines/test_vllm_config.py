@@ -14,6 +14,13 @@ def test_vllm_args_may_not_override_what_the_engine_sets():
         VLLMEngineConfig(model_path="m", max_model_len=4)
 
 
+@pytest.mark.parametrize("key", ["host=0.0.0.0", "port 80", "--api-key", ""])
+def test_vllm_args_keys_cannot_smuggle_a_flag(key):
+    """Regression (#23): ``{"host=0.0.0.0": True}`` became ``--host=0.0.0.0``, past the check of owned flags."""
+    with pytest.raises(ValueError, match="vllm_args keys must be flag names"):
+        VLLMEngineConfig(model_path="m", vllm_args={key: True})
+
+
 def test_command_line_carries_the_settings_and_passthrough_flags():
     passthrough = {"enforce_eager": True, "max-num-seqs": 64, "disable-log-stats": False}
     cfg = VLLMEngineConfig(model_path="/m", python="/py", dtype="bfloat16", max_model_len=512, vllm_args=passthrough)

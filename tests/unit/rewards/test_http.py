@@ -1,6 +1,5 @@
 """Rewards over real HTTP: reward_app served by aiohttp (in a thread, and as the CLI process), HttpReward client."""
 
-import asyncio
 import math
 import socket
 import subprocess
@@ -10,6 +9,7 @@ import time
 
 import pytest
 import requests
+from app_server import serve_in_thread
 
 from miles_ray.rewards.http import HttpReward, reward_app
 from miles_ray.rewards.safe import SafeGroupReward, SafeReward
@@ -32,10 +32,14 @@ def _wait_healthy(url: str, timeout_s: float = 30.0) -> None:
     raise TimeoutError(f"{url} not up after {timeout_s}s")
 
 
+SLOW_STARTED = threading.Event()
+
+
 def exact(text, entry):
     if text == "boom":
         raise RuntimeError("judge crashed")
     if text == "slow":
+        SLOW_STARTED.set()
         time.sleep(2)
     return math.nan if text == "nan" else float(text.strip() == entry["answer"])
 
@@ -48,22 +52,9 @@ async def ranked(texts, entry):  # per group: 1 for the shortest correct answer,
 
 @pytest.fixture(scope="module")
 def reward_server():
-    from aiohttp import web
-
-    port, loop = _port(), asyncio.new_event_loop()
-    runner = web.AppRunner(reward_app(exact, ranked, api_key="k"))
-
-    def serve():
-        asyncio.set_event_loop(loop)
-        loop.run_until_complete(runner.setup())
-        loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
-        loop.run_forever()
-
-    threading.Thread(target=serve, daemon=True).start()
-    url = f"http://127.0.0.1:{port}"
-    _wait_healthy(url)
-    yield url
-    loop.call_soon_threadsafe(loop.stop)
+    with serve_in_thread(reward_app(exact, ranked, api_key="k")) as url:
+        _wait_healthy(url)
+        yield url
 
 
 def test_remote_reward_values_and_failures(reward_server):
@@ -111,3 +102,23 @@ def test_reward_server_cli_serves_an_import_path():
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+def test_a_slow_synchronous_reward_does_not_block_the_others(reward_server):
+    """Regression (#23): synchronous reward functions ran on the server's event loop, one slow call blocking all."""
+    headers = {"Authorization": "Bearer k"}
+    slow = threading.Thread(
+        target=requests.post,
+        args=(f"{reward_server}/reward",),
+        kwargs={"json": {"response": "slow", "entry": {"answer": "42"}}, "headers": headers, "timeout": 10},
+    )
+    SLOW_STARTED.clear()
+    slow.start()
+    assert SLOW_STARTED.wait(5), "the slow call never started"
+    t0 = time.monotonic()
+    fast = requests.post(
+        f"{reward_server}/reward", json={"response": "42", "entry": {"answer": "42"}}, headers=headers, timeout=10
+    )
+    elapsed = time.monotonic() - t0
+    slow.join(10)
+    assert fast.json() == {"reward": 1.0} and elapsed < 1.5, elapsed  # the slow one sleeps 2 s

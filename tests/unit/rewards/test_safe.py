@@ -58,3 +58,29 @@ def test_extract_answer():
     assert extract_answer("so <answer> 12 </answer>") == "12"
     assert extract_answer("3 + 4 = 7.") == "7"
     assert extract_answer("seven") == "seven"
+
+
+def test_hung_calls_do_not_starve_the_next_ones():
+    """Regression (#23): timed-out calls kept their pool threads, so once the pool was full every call timed out."""
+    import threading
+
+    release = threading.Event()
+
+    def fn(text, entry):  # "hang" blocks until released, as a stuck sandbox or judge would
+        if text == "hang":
+            release.wait(60)
+        return 1.0
+
+    reward = SafeReward(fn, timeout_s=0.2, max_workers=2, max_hung=4)
+    assert [reward("hang", None)[1].kind for _ in range(3)] == ["timeout"] * 3  # more than max_workers
+    assert reward.hung == 3 and reward("ok", None) == (1.0, None)  # the hung ones hold no slot
+    assert reward("hang", None)[1].kind == "timeout" and reward.hung == 4
+    start = time.perf_counter()
+    value, failure = reward("ok", None)  # max_hung reached: refused at once, not queued behind them
+    assert failure.kind == "timeout" and "max_hung" in failure.message and time.perf_counter() - start < 0.1
+    release.set()
+    deadline = time.monotonic() + 10
+    while reward.hung:
+        assert time.monotonic() < deadline, "released calls never finished"
+        time.sleep(0.01)
+    assert reward("ok", None) == (1.0, None)

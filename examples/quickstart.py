@@ -6,8 +6,8 @@ unchanged, on a GPU cluster (pass --address auto).
     python examples/quickstart.py --topology colocated --steps 25
     python examples/quickstart.py --mode async --topology disaggregated   # rollout and training overlap
     python examples/quickstart.py --checkpoint-every 5 --resume            # pick up where a stopped run left off
-    python examples/quickstart.py --data examples/data/train.jsonl --eval-data examples/data/test.jsonl \
-        --eval-every 5 --max-new-tokens 256 --logger jsonl,tensorboard    # your data, held-out eval, trackers
+    python examples/quickstart.py --data examples/data/aiw/train.jsonl --eval-data examples/data/aiw/test.jsonl \
+        --eval-every 5 --max-new-tokens 128 --logger jsonl,tensorboard    # your data, held-out eval, trackers
 
 Checkpoints (``--checkpoint-every``) hold the whole run: trainer weights, optimizer and RNG, the buffer, the data
 position and the step; ``--resume`` continues from the latest one. ``--export-hf DIR`` writes the final policy as

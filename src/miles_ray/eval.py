@@ -6,7 +6,7 @@ too). Same prompts, template, reward and estimators as ``examples/quickstart.py 
 
 Usage::
 
-    python -m miles_ray.eval runs/quickstart/hf --data examples/data/test.jsonl --n 4 --k 1 4
+    python -m miles_ray.eval runs/quickstart/hf --data examples/data/aiw/test.jsonl --n 4 --k 1 4
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ def test_eval_metrics_overall_and_per_source(make_placement, tiny_model_path):
 def test_the_eval_command_scores_an_hf_directory(tmp_path, tiny_model_path):
     """``python -m miles_ray.eval`` as a user runs it (its own Ray cluster), on the tiny model and the test split."""
     out = tmp_path / "eval.json"
-    cmd = [sys.executable, "-m", "miles_ray.eval", tiny_model_path, "--data", "examples/data/test.jsonl"]
+    cmd = [sys.executable, "-m", "miles_ray.eval", tiny_model_path, "--data", "examples/data/gsm_symbolic/test.jsonl"]
     cmd += ["--n", "2", "--k", "1", "2", "--max-new-tokens", "4", "--max-prompts", "5", "--out", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, env=os.environ.copy(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -49,7 +49,7 @@ def test_the_eval_command_scores_an_hf_directory(tmp_path, tiny_model_path):
 
 
 def test_the_eval_command_refuses_bad_input_before_starting_engines(tmp_path, tiny_model_path):
-    cmd = [sys.executable, "-m", "miles_ray.eval", tiny_model_path, "--data", "examples/data/test.jsonl"]
+    cmd = [sys.executable, "-m", "miles_ray.eval", tiny_model_path, "--data", "examples/data/gsm_symbolic/test.jsonl"]
     proc = subprocess.run(cmd + ["--n", "2", "--k", "4"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and "k values [4] must be between 1 and n=2" in proc.stderr
     assert "ray.init" not in proc.stderr and "Started a local Ray instance" not in proc.stderr

@@ -55,7 +55,8 @@ def test_quickstart_trains_on_a_users_data_with_every_tracker(tmp_path, tiny_mod
     TensorBoard, wandb and MLflow."""
     cmd = [sys.executable, "examples/quickstart.py", "--model", "tiny", "--num-ranks", "1", "--steps", "1"]
     cmd += ["--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "8", "--out", str(tmp_path)]
-    cmd += ["--data", "examples/data/train.jsonl", "--eval-data", "examples/data/test.jsonl", "--eval-every", "1"]
+    data = "examples/data/gsm_symbolic"
+    cmd += ["--data", f"{data}/train.jsonl", "--eval-data", f"{data}/test.jsonl", "--eval-every", "1"]
     proc = _run(cmd + ["--eval-n", "2", "--logger", "tensorboard,wandb,mlflow"])
     assert "'num_rows': 1000" in proc.stdout and "best eval/pass@1: " in proc.stdout
     [record] = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -70,13 +71,14 @@ def test_quickstart_trains_on_a_users_data_with_every_tracker(tmp_path, tiny_mod
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
     (run,) = client.search_runs([client.get_experiment_by_name("miles_ray").experiment_id])
     assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [0]
-    assert run.data.params["data"] == "examples/data/train.jsonl"
+    assert run.data.params["data"] == "examples/data/gsm_symbolic/train.jsonl"
 
 
-def test_the_example_data_is_what_its_script_generates(tmp_path):
-    _run([sys.executable, "examples/data/make_gsm_symbolic.py", "--out", str(tmp_path)])
+@pytest.mark.parametrize("task", ["gsm_symbolic", "aiw"])
+def test_the_example_data_is_what_its_script_generates(tmp_path, task):
+    _run([sys.executable, "examples/data/make_data.py", "--task", task, "--out", str(tmp_path)])
     for name in ("train.jsonl", "test.jsonl"):
-        assert (tmp_path / name).read_text() == (ROOT / "examples" / "data" / name).read_text()
+        assert (tmp_path / name).read_text() == (ROOT / "examples" / "data" / task / name).read_text()
     train = {json.loads(line)["prompt"] for line in (tmp_path / "train.jsonl").read_text().splitlines()}
     test = [json.loads(line)["prompt"] for line in (tmp_path / "test.jsonl").read_text().splitlines()]
     assert len(train) == 1000 and len(test) == 100 and not train & set(test)

@@ -390,9 +390,10 @@ class EmbeddedEngine:
 
         For a failure no single request can be blamed for; ``EngineLoop`` calls it when a step raises.
         """
-        with self._mu:
-            waiting, self._waiting = list(self._waiting), collections.deque()
-        self._fail_running(exc)
+        with self._lock:  # no pause or weight load steps meanwhile
+            with self._mu:
+                waiting, self._waiting = list(self._waiting), collections.deque()
+            self._fail_running(exc)
         _fail(waiting, exc)
 
     def _fail_running(self, exc: BaseException) -> None:

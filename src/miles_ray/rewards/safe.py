@@ -3,7 +3,9 @@
 A reward function takes ``(response_text, entry)`` and returns a float; it may be ``async``. ``SafeReward``
 runs it with a timeout and turns every failure (an exception, a timeout, a NaN/inf or non-numeric result)
 into a recorded ``RewardFailure`` instead of an exception, so one bad sample never stops a run. The
-rollout function gives such a sample zero weight (its loss mask is zeroed) and records why.
+rollout function gives such a sample zero weight (its loss mask is zeroed) and records why. Python cannot stop a
+thread: a call past its timeout runs on, off the count of ``max_workers`` concurrent calls, and once ``max_hung``
+such calls linger new calls fail at once instead of queuing behind them.
 
 Usage::
 
@@ -49,6 +51,8 @@ class SafeReward:
     ):
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        if max_workers < 1 or max_hung < 0:
+            raise ValueError(f"max_workers must be >= 1 and max_hung >= 0, got {max_workers} and {max_hung}")
         self.fn = _resolve_callable(fn, "reward function")
         self.timeout_s = timeout_s
         self.max_hung = max_hung

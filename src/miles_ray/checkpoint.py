@@ -4,16 +4,19 @@ One checkpoint is one directory ``root/step_<step>/``:
 
 - ``trainer/``: torch DCP shards of model and optimizer, each rank's RNG, the weight version (``TrainerGroup.save``)
 - ``critic/``: the same for a PPO critic, when given
-- ``buffer.pkl``: every group the ReplayBuffer holds, payloads included, and its counters
-- ``data.pkl``: the data position: a data source's ``state_dict()`` (lockstep drivers) or a stopped
+- ``buffer.json`` (+ ``buffer.safetensors``): every group the ReplayBuffer holds, payloads included, and its counters
+- ``data.json``: the data position: a data source's ``state_dict()`` (lockstep drivers) or a stopped
   ``AsyncRollout``'s ``state()`` (fully async drivers, with the prompts handed out but not in the buffer)
+- ``driver_rng.json`` + ``driver_rng.safetensors``: the driver process's Python and torch RNG states
 - ``run.json``: the format version, step, weight version, save time, the driver's ``extra`` dict and the sha256 of
-  every other file; written last, so its presence marks a complete checkpoint. The driver process's Python and
-  torch RNG states go into ``driver_rng.pkl``.
+  every other file; written last, so its presence marks a complete checkpoint.
 
-``load`` checks the format version and every file's sha256 before restoring anything: a corrupted or missing file
-raises ``CheckpointCorruptError`` naming it. ``keep_last`` keeps the most recently *saved* checkpoints (after a
-rollback, step 6 saved after step 8 is newer than step 8), and a save first removes what interrupted saves left.
+No state is pickled (``miles_ray.state_codec``: JSON + safetensors, classes only from miles_ray), so loading a
+checkpoint runs no code from it. ``load`` checks the format version and every file's sha256 before restoring
+anything: a corrupted or missing file raises ``CheckpointCorruptError`` naming it. Format-1 checkpoints (pickled
+state, before 2026-12-05) load only with ``allow_pickle=True``. ``keep_last`` keeps the most recently *saved*
+checkpoints (after a rollback, step 6 saved after step 8 is newer than step 8), and a save first removes what
+interrupted saves left.
 
 Writes are atomic: everything goes into ``root/.tmp-step_<step>-<id>/``, which is renamed into place only when
 complete, and then ``root/latest`` is replaced (write + rename). A crash during a save leaves the previous
@@ -44,7 +47,9 @@ from pathlib import Path
 import ray
 import torch
 
-FORMAT = 1
+from miles_ray.state_codec import load_state, save_state
+
+FORMAT = 2  # 1: buffer/data/RNG state pickled (.pkl); 2: JSON + safetensors (state_codec)
 
 
 class RunCheckpointer:
@@ -97,21 +102,25 @@ class RunCheckpointer:
         ray.get(trainer.save.remote(str(tmp / "trainer")))
         if critic is not None:
             ray.get(critic.save.remote(str(tmp / "critic")))
+        parts = ["trainer"] + (["critic"] if critic is not None else [])
         if buffer is not None:
-            _write_pickle(tmp / "buffer.pkl", ray.get(buffer.state.remote()))
+            save_state(tmp / "buffer", ray.get(buffer.state.remote()))
+            parts.append("buffer")
         if async_rollout is not None:
-            _write_pickle(tmp / "data.pkl", {"kind": "async_rollout", "state": ray.get(async_rollout.state.remote())})
+            save_state(tmp / "data", {"kind": "async_rollout", "state": ray.get(async_rollout.state.remote())})
+            parts.append("data")
         elif data_source is not None:
             if not hasattr(data_source, "state_dict"):
                 raise TypeError(f"{type(data_source).__name__} has no state_dict(): its position cannot be saved")
-            _write_pickle(tmp / "data.pkl", {"kind": "data_source", "state": data_source.state_dict()})
-        _write_pickle(tmp / "driver_rng.pkl", {"python": random.getstate(), "torch": torch.get_rng_state()})
+            save_state(tmp / "data", {"kind": "data_source", "state": data_source.state_dict()})
+            parts.append("data")
+        save_state(tmp / "driver_rng", {"python": random.getstate(), "torch": torch.get_rng_state()})
         meta = {
             "format": FORMAT,
             "step": step,
             "weight_version": ray.get(trainer.weight_version.remote()),
             "time": time.time(),
-            "has": sorted(p.name for p in tmp.iterdir()),
+            "has": parts,
             "extra": extra or {},
             "sha256": _digests(tmp),
         }
@@ -157,11 +166,13 @@ class RunCheckpointer:
         data_source=None,
         restore_driver_rng: bool = True,
         rollout_worker=None,
+        allow_pickle: bool = False,
     ) -> dict:
         """Restore what ``save`` wrote into the given actors and data source; returns ``run.json``.
 
         ``path`` None means ``latest()``. The trainer must have been built with the same model (any rank count:
-        DCP reshards; the RNG of ranks beyond the saved count is left as seeded).
+        DCP reshards; the RNG of ranks beyond the saved count is left as seeded). ``allow_pickle`` reads a
+        format-1 checkpoint, whose state files are pickles: only for files you trust, as unpickling runs code.
 
         Raises:
             FileNotFoundError: if there is no complete checkpoint there, or it lacks a part asked for.
@@ -175,18 +186,20 @@ class RunCheckpointer:
         meta = json.loads((path / "run.json").read_text())
         if meta.get("format", 0) > FORMAT:
             raise CheckpointCorruptError(f"{path} is format {meta['format']}; this miles_ray reads up to {FORMAT}")
+        read = _state_reader(path, meta.get("format", 0), allow_pickle)
         _verify(path, meta.get("sha256"))
-        asked = {"critic": critic, "buffer.pkl": buffer, "data.pkl": async_rollout or data_source}
-        missing = [part for part, target in asked.items() if target is not None and part not in meta["has"]]
+        asked = {"critic": critic, "buffer": buffer, "data": async_rollout or data_source}
+        held = [name.removesuffix(".pkl") for name in meta["has"]]  # format 1 listed files
+        missing = [part for part, target in asked.items() if target is not None and part not in held]
         if missing:
-            raise FileNotFoundError(f"checkpoint {path} has no {missing} (it holds {meta['has']})")
+            raise FileNotFoundError(f"checkpoint {path} has no {missing} (it holds {held})")
         ray.get(trainer.load.remote(str(path / "trainer")))
         if critic is not None:
             ray.get(critic.load.remote(str(path / "critic")))
         if buffer is not None:
-            ray.get(buffer.load_state.remote(_read_pickle(path / "buffer.pkl")))
+            ray.get(buffer.load_state.remote(read("buffer")))
         if async_rollout is not None or data_source is not None:
-            data = _read_pickle(path / "data.pkl")
+            data = read("data")
             kind = "async_rollout" if data["kind"] == "rollout_worker" else data["kind"]  # its name until 2026-12
             want = "async_rollout" if async_rollout is not None else "data_source"
             if kind != want:
@@ -196,7 +209,7 @@ class RunCheckpointer:
             else:
                 data_source.load_state_dict(data["state"])
         if restore_driver_rng:
-            rng = _read_pickle(path / "driver_rng.pkl")
+            rng = read("driver_rng")
             random.setstate(rng["python"])
             torch.set_rng_state(rng["torch"])
         return meta
@@ -250,13 +263,21 @@ def _renamed(async_rollout, rollout_worker):
     return rollout_worker
 
 
-def _write_pickle(path: Path, obj) -> None:
-    _write_bytes(path, pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+def _state_reader(path: Path, version: int, allow_pickle: bool):
+    """``read(part)`` for a checkpoint of format ``version``; format 1 (pickles) only with ``allow_pickle``."""
+    if version >= 2:
+        return lambda part: load_state(path / part)
+    if not allow_pickle:
+        raise ValueError(
+            f"checkpoint {path} is format {version}: its buffer, data and RNG state are pickles, and unpickling runs "
+            "code from the file; pass allow_pickle=True only if you trust every file in it (then save again)"
+        )
 
+    def read_pickle(part: str):
+        with open(path / f"{part}.pkl", "rb") as f:
+            return pickle.load(f)  # noqa: S301 (asked for with allow_pickle=True)
 
-def _read_pickle(path: Path):
-    with open(path, "rb") as f:
-        return pickle.load(f)  # noqa: S301 (our own checkpoint files)
+    return read_pickle
 
 
 def _write_bytes(path: Path, data: bytes, atomic: bool = False) -> None:

@@ -218,12 +218,15 @@ def test_checkpoints_verify_every_file_and_keep_the_most_recent_saves(make_place
     assert [p.name for p in ckpt.complete()] == ["step_00000006", "step_00000007"]
 
     step6 = tmp_path / "step_00000006"
-    data = (step6 / "data.pkl").read_bytes()
-    (step6 / "data.pkl").write_bytes(data[:-1] + bytes([data[-1] ^ 1]))  # one flipped bit
-    with pytest.raises(CheckpointCorruptError, match="data.pkl does not match its sha256"):
+    files = {p.relative_to(step6).as_posix() for p in step6.rglob("*") if p.is_file()}
+    assert {"data.json", "driver_rng.json", "driver_rng.safetensors", "trainer/rng_rank0.json"} <= files
+    assert not [f for f in files if f.endswith((".pkl", ".pt"))]  # no pickled state (#23)
+    data = (step6 / "data.json").read_bytes()
+    (step6 / "data.json").write_bytes(data[:-1] + bytes([data[-1] ^ 1]))  # one flipped bit
+    with pytest.raises(CheckpointCorruptError, match="data.json does not match its sha256"):
         ckpt.load(step6, trainer, data_source=source)
     assert ray.get(trainer.weight_version.remote()) == 1 and source.position == 1  # nothing was restored
-    (step6 / "data.pkl").write_bytes(data)
+    (step6 / "data.json").write_bytes(data)
     shard = next(p for p in (step6 / "trainer").rglob("*") if p.is_file())
     shard.unlink()
     with pytest.raises(CheckpointCorruptError, match=f"missing {shard.relative_to(step6).as_posix()}"):

@@ -26,6 +26,7 @@ from miles_ray.backends.optimizer import OptimizerConfig
 from miles_ray.backends.packing import MicroBatchConfig, micro_batches_of
 from miles_ray.devices import native_bf16, rank_device
 from miles_ray.models.quant import WeightFormatConfig
+from miles_ray.state_codec import load_state, save_state
 from miles_ray.types import RolloutBatch
 
 
@@ -155,17 +156,21 @@ def save_rng(path: str, rank: int) -> None:
     state = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
-    torch.save(state, os.path.join(path, f"rng_rank{rank}.pt"))
+    save_state(os.path.join(path, f"rng_rank{rank}"), state)  # JSON + safetensors: no pickle
 
 
 def load_rng(path: str, rank: int) -> None:
     """Restore this rank's RNG states from checkpoint directory ``path``, if it holds them."""
-    rng = os.path.join(path, f"rng_rank{rank}.pt")
-    if os.path.exists(rng):  # absent when loading at a larger rank count than saved, or an older checkpoint
-        saved = torch.load(rng)
-        torch.set_rng_state(saved["cpu"])
-        if "cuda" in saved and torch.cuda.is_available():
-            torch.cuda.set_rng_state(saved["cuda"])
+    stem = os.path.join(path, f"rng_rank{rank}")
+    if os.path.exists(f"{stem}.json"):
+        saved = load_state(stem)
+    elif os.path.exists(f"{stem}.pt"):  # saved before 2026-12-05; weights_only: tensors and dicts, no code
+        saved = torch.load(f"{stem}.pt", weights_only=True)
+    else:  # loading at a larger rank count than saved
+        return
+    torch.set_rng_state(saved["cpu"])
+    if "cuda" in saved and torch.cuda.is_available():
+        torch.cuda.set_rng_state(saved["cuda"])
 
 
 class DataParallelModel(DataParallelOps):

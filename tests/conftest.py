@@ -28,6 +28,15 @@ def tiny_moe_path() -> str:
 
 
 @pytest.fixture(scope="session")
+def smollm2_path() -> str:
+    """The real SmolLM2-135M-Instruct (converted once from the offline GGUF package, ~20 s): for behaviour a random
+    model cannot show, such as following a tool-calling format."""
+    from miles_ray.models.hub import model_dir
+
+    return str(model_dir("smollm2-135m"))
+
+
+@pytest.fixture(scope="session")
 def hf(tiny_model_path):
     """The tiny model as a plain HF module (the reference the engine's numerics are checked against)."""
     from transformers import AutoModelForCausalLM

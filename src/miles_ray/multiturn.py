@@ -9,7 +9,8 @@ and the new response with mask 1; when it does not (re-tokenisation drift: the t
 earlier response differently), the turn starts a new sample instead, so no trained token is ever
 one the policy did not sample.
 
-``ChatTurnRunner`` drives one conversation with tools through the ``openai`` client.
+``ChatTurnRunner`` drives one conversation with tools through the ``openai`` client, by standard function
+calling (``tools`` in, ``tool_calls`` out, ``tool`` messages back), streamed or not.
 
 Usage::
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import json
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -84,7 +86,23 @@ def merge_turns(turns: list[Turn]) -> list[Sequence]:
     return sequences
 
 
-ToolFn = Callable[[str], Awaitable[str | None] | str | None]
+@dataclass
+class Tool:
+    """A function the policy may call: its OpenAI description and the Python function that runs a call.
+
+    ``fn`` gets the call's arguments as keyword arguments and returns the result (sync or async); its string
+    form goes back to the policy as a ``tool`` message.
+    """
+
+    name: str
+    fn: Callable[..., Awaitable[object] | object]
+    description: str = ""
+    parameters: dict = field(default_factory=lambda: {"type": "object", "properties": {}})
+
+    def spec(self) -> dict:
+        """The entry of the request's ``tools``."""
+        function = {"name": self.name, "description": self.description, "parameters": self.parameters}
+        return {"type": "function", "function": function}
 
 
 @dataclass
@@ -98,52 +116,113 @@ class Conversation:
 
 
 class ChatTurnRunner:
-    """Runs a conversation: ask, let ``tool`` answer the policy's call, ask again, up to ``max_turns``.
+    """Runs a conversation by standard function calling, up to ``max_turns`` chat calls.
 
-    ``tool(response_text)`` returns the tool output to send back (as a ``tool`` message), or None when
-    the response makes no tool call (the conversation ends there).
+    It asks with ``tools``, runs the ``tool_calls`` the policy makes, sends their results back as ``tool``
+    messages, and asks again, until a response makes no call.
+
+    A call the policy gets wrong (an unknown tool, arguments that are not a JSON object or do not fit the
+    function, a function that raises) is answered with an ``error: ...`` tool message, as an agent framework
+    would, so the policy learns from it and the rollout goes on.
 
     Args:
         client: an ``openai.AsyncOpenAI`` client pointed at an engine's ``/v1``.
         model: the served model name.
-        tool: the tool, sync or async.
+        tools: the functions the policy may call.
         max_turns: chat calls at most.
+        stream: ask for server-sent events and rebuild each turn from its chunks (same tokens and logprobs).
         sampling: extra ``chat.completions.create`` arguments (``max_tokens``, ``temperature``, ``stop``...).
 
     """
 
-    def __init__(self, client, model: str, tool: ToolFn, max_turns: int = 3, **sampling):
+    def __init__(self, client, model: str, tools: list[Tool], max_turns: int = 3, stream: bool = False, **sampling):
         if max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {max_turns}")
+        if len({t.name for t in tools}) != len(tools):
+            raise ValueError(f"tools must have distinct names, got {[t.name for t in tools]}")
         self.client = client
         self.model = model
-        self.tool = tool
+        self.tools = {t.name: t for t in tools}
         self.max_turns = max_turns
+        self.stream = stream
         self.sampling = sampling
 
     async def run(self, messages: list[dict]) -> Conversation:
         """Run one conversation starting from ``messages`` (not modified)."""
         messages = list(messages)
         turns: list[Turn] = []
-        calls, text = 0, ""
+        calls = 0
         for _ in range(self.max_turns):
-            resp = await self.client.chat.completions.create(
-                model=self.model, messages=messages, logprobs=True, **self.sampling
-            )
-            choice = resp.choices[0]
-            text = choice.message.content
-            logprobs = [c.logprob for c in choice.logprobs.content]
-            version = int((resp.model_extra or {}).get("weight_version", 0))
-            turns.append(Turn(resp.prompt_token_ids, choice.token_ids, logprobs, choice.finish_reason, version))
-            messages.append({"role": "assistant", "content": text})
-            result = self.tool(text)
+            turn, message = await (self._streamed_turn(messages) if self.stream else self._turn(messages))
+            turns.append(turn)
+            messages.append(message)
+            for call in message.get("tool_calls", []):
+                content = await self._call(call["function"]["name"], call["function"]["arguments"])
+                messages.append({"role": "tool", "tool_call_id": call["id"], "content": content})
+                calls += 1
+            if "tool_calls" not in message:
+                break
+        return Conversation(messages, turns, messages[-1].get("content") or "", calls)
+
+    def _request(self, messages: list[dict]) -> dict:
+        tools = [t.spec() for t in self.tools.values()] or None
+        return {"model": self.model, "messages": messages, "tools": tools, "logprobs": True, **self.sampling}
+
+    async def _turn(self, messages: list[dict]) -> tuple[Turn, dict]:
+        resp = await self.client.chat.completions.create(**self._request(messages))
+        choice = resp.choices[0]
+        logprobs = [c.logprob for c in choice.logprobs.content]
+        version = int((resp.model_extra or {}).get("weight_version", 0))
+        turn = Turn(resp.prompt_token_ids, choice.token_ids, logprobs, choice.finish_reason, version)
+        message = {"role": "assistant", "content": choice.message.content}
+        if choice.message.tool_calls:
+            message["tool_calls"] = [
+                c.model_dump(include={"id", "type", "function"}) for c in choice.message.tool_calls
+            ]
+        return turn, message
+
+    async def _streamed_turn(self, messages: list[dict]) -> tuple[Turn, dict]:
+        stream = await self.client.chat.completions.create(**self._request(messages), stream=True)
+        prompt_ids, ids, logprobs, content, calls, reason, version = [], [], [], "", {}, "stop", 0
+        async for chunk in stream:
+            extra = chunk.model_extra or {}
+            prompt_ids = extra.get("prompt_token_ids", prompt_ids)
+            version = int(extra.get("weight_version", version))
+            for c in chunk.choices:
+                ids += c.model_extra["token_ids"]
+                logprobs += [x.logprob for x in c.logprobs.content] if c.logprobs else []
+                content += c.delta.content or ""
+                for delta in c.delta.tool_calls or []:  # OpenAI's stream format: pieces of call `index`
+                    call = calls.setdefault(
+                        delta.index, {"id": "", "type": "function", "function": {"name": "", "arguments": ""}}
+                    )
+                    call["id"] = delta.id or call["id"]
+                    call["function"]["name"] += delta.function.name or ""
+                    call["function"]["arguments"] += delta.function.arguments or ""
+                reason = c.finish_reason or reason
+        message = {"role": "assistant", "content": content or None}
+        if calls:
+            message["tool_calls"] = [calls[i] for i in sorted(calls)]
+        return Turn(prompt_ids, ids, logprobs, reason, version), message
+
+    async def _call(self, name: str, arguments: str) -> str:
+        """Run one call; what went wrong, if anything, as the policy should read it."""
+        tool = self.tools.get(name)
+        if tool is None:
+            return f"error: there is no tool {name!r}; tools: {sorted(self.tools)}"
+        try:
+            args = json.loads(arguments)
+        except ValueError as exc:
+            return f"error: the arguments are not JSON ({exc})"
+        if not isinstance(args, dict):
+            return "error: the arguments must be a JSON object"
+        try:
+            result = tool.fn(**args)
             if inspect.isawaitable(result):
                 result = await result
-            if result is None:
-                break
-            calls += 1
-            messages.append({"role": "tool", "content": result})
-        return Conversation(messages, turns, text, calls)
+        except Exception as exc:  # the policy's call, not the rollout, went wrong
+            return f"error: {type(exc).__name__}: {exc}"
+        return str(result)
 
 
 async def tool_groups(

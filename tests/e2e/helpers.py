@@ -103,6 +103,7 @@ def sglang_stack(lora=None, trainer_backend: dict | None = None):
             "trainer": stack.trainer,
             "model_path": model_path,
             "url": ray.get(stack.engines[0].health.remote())["url"],
+            "api_key": ray.get(stack.engines[0].__ray_call__.remote(lambda actor: actor.server.api_key)),
             "broadcast": stack.broadcaster,
             "shared_memory": WeightBroadcaster.remote(shared_memory, workers, list(stack.engines)),
         }
@@ -273,3 +274,32 @@ def reward_by_source(text: str, entry: dict) -> float:
     if entry["data_source"] == "c":
         raise RuntimeError("a reward that fails")
     return float(entry["data_source"] == "a")
+
+
+def server_auth_probe(actor, routes: list[tuple[str, str]], safe: tuple[str, str]) -> dict:
+    """Run in a vLLM/SGLang engine actor (``engine.__ray_call__.remote(server_auth_probe, ...)``): the status codes
+    of ``(method, route)`` calls to its server without a key and with a wrong one, of ``/health`` without a key
+    and of the ``safe`` call with the server's key, and whether the key shows on the server's command line."""
+    import urllib.error
+    import urllib.request
+
+    server = actor.server
+
+    def status(method: str, route: str, key: str | None) -> int:
+        headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+        data = b"{}" if method == "POST" else None
+        request = urllib.request.Request(server.url + route, data=data, headers=headers, method=method)
+        try:
+            with urllib.request.urlopen(request, timeout=60) as resp:
+                return resp.status
+        except urllib.error.HTTPError as exc:
+            return exc.code
+
+    argv = Path(f"/proc/{server._proc.pid}/cmdline").read_bytes()
+    return {
+        "key_in_argv": server.api_key.encode() in argv,
+        "without_key": {route: status(method, route, None) for method, route in routes},
+        "wrong_key": {route: status(method, route, "wrong") for method, route in routes},
+        "health": status("GET", "/health", None),
+        "safe_with_key": status(*safe, server.api_key),
+    }

@@ -40,3 +40,4 @@ def test_pool_engines_serve_openai_and_ray_at_once(make_placement, tiny_model_pa
     assert ray.wait([long], timeout=0)[0] == []
     assert len(ray.get(long).completions[0].token_ids) == 1500
     assert requests.get(f"{urls[1]}/health", timeout=5).status_code == 401  # the token guards every route
+    assert ray.get(pool.api_key.remote()) == "secret"

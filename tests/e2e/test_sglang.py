@@ -17,6 +17,7 @@ from helpers import (
     abort_running_request,
     check_in_place_pause_holds_requests,
     grpo_in_step,
+    server_auth_probe,
     sglang_stack,
     sglang_train_and_sync,
     wait_outstanding,
@@ -105,3 +106,14 @@ def test_memory_release_around_a_train_step(stack):
     ray.get(pool.resume_memory.remote("kv_cache"))
     after = _generate(stack)
     assert after.weight_version == metrics["weight_version"] and _max_diff_to_trainer(stack, after) < 1e-4
+
+
+def test_the_server_needs_its_key_and_no_command_line_shows_it(stack):
+    """Regression (#23): the SGLang server listened on 127.0.0.1 without a key, and /update_weights_from_tensor
+    unpickles its payload: any local user could run code as the training user. Each server now has a random key,
+    handed over in a private --config file."""
+    routes = [("POST", "/update_weights_from_tensor"), ("POST", "/generate"), ("GET", "/get_model_info")]
+    probe = ray.get(stack["engines"][0].__ray_call__.remote(server_auth_probe, routes, ("GET", "/get_model_info")))
+    assert probe["without_key"] == probe["wrong_key"] == {route: 401 for _, route in routes}, probe
+    assert probe["health"] == 200 and probe["safe_with_key"] == 200 and not probe["key_in_argv"]
+    assert _generate(stack).completions

@@ -32,7 +32,8 @@ def stack(ray_cluster):
 
 
 def _served_adapters(stack) -> set[str]:
-    models = requests.get(f"{stack['url']}/v1/models", timeout=30).json()["data"]
+    auth = {"Authorization": f"Bearer {stack['api_key']}"}  # the server's own random key
+    models = requests.get(f"{stack['url']}/v1/models", headers=auth, timeout=30).json()["data"]
     return {m["id"] for m in models} - {"tiny"}
 
 

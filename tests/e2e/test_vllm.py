@@ -11,6 +11,7 @@ from helpers import (
     abort_running_request,
     check_in_place_pause_holds_requests,
     max_logprob_diff,
+    server_auth_probe,
     server_python,
     trainer_logprobs,
 )
@@ -152,3 +153,13 @@ def test_grpo_steps_with_vllm_engines(stack):
         version = metrics["weight_version"]
         ray.get(stack["broadcaster"].sync.remote(version))
     assert ray.get(stack["engines"][0].weight_version.remote()) == version
+
+
+def test_the_server_needs_its_key_and_no_command_line_shows_it(stack):
+    """Regression (#23): the vLLM server listened on 127.0.0.1 without a key, dev-mode routes included
+    (/collective_rpc runs code in the workers): any local user could drive it. Each server now has a random key."""
+    routes = [("POST", "/collective_rpc"), ("POST", "/pause"), ("POST", "/v1/completions"), ("GET", "/v1/models")]
+    probe = ray.get(stack["engines"][0].__ray_call__.remote(server_auth_probe, routes, ("GET", "/v1/models")))
+    assert probe["without_key"] == probe["wrong_key"] == {route: 401 for _, route in routes}, probe
+    assert probe["health"] == 200 and probe["safe_with_key"] == 200 and not probe["key_in_argv"]
+    assert _generate(stack, seed=2).completions  # the engine's own client still gets through

@@ -149,6 +149,17 @@ class RolloutPool:
             raise RuntimeError("RolloutPoolConfig.http is None: the engines serve no HTTP")
         return list(self._urls)
 
+    def api_key(self) -> str:
+        """The bearer token of the engines' HTTP servers (one for the pool; random unless ``http.api_key`` was given).
+
+        Raises:
+            RuntimeError: if the pool's engines serve no HTTP.
+
+        """
+        if self.config.http is None:
+            raise RuntimeError("RolloutPoolConfig.http is None: the engines serve no HTTP")
+        return self.config.http.api_key.get_secret_value()
+
     def num_engines(self) -> int:
         """How many engines the pool runs."""
         return len(self._engines)

@@ -25,6 +25,7 @@ worker thread for asyncio callers (the Ray actor and the HTTP server).
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
@@ -47,6 +48,7 @@ from miles_ray.models.quant import RoundedLinear, WeightFormatConfig, apply_weig
 from miles_ray.sync.buckets import AdapterSpec
 from miles_ray.sync.digest import Known, TensorDigests
 
+log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -92,6 +94,7 @@ class EmbeddedEngineConfig(StrictConfig):
 
 DoneFn = Callable[[GenerateOutput], None]
 ErrorFn = Callable[[BaseException], None]
+TokenFn = Callable[[int, int, float], None]  # (sample index, token id, logprob): each token as it is sampled
 
 
 @dataclass(eq=False)
@@ -99,6 +102,7 @@ class _Request:
     request: GenerateRequest
     on_done: DoneFn
     on_error: ErrorFn
+    on_token: TokenFn | None = None
     first_version: int = -1
     completions: list[Completion | None] = field(default_factory=list)
     aborted: bool = False
@@ -260,8 +264,13 @@ class EmbeddedEngine:
                 f"exceeds max_seq_len={self.config.max_seq_len}"
             )
 
-    def submit(self, request: GenerateRequest, on_done: DoneFn, on_error: ErrorFn) -> None:
+    def submit(
+        self, request: GenerateRequest, on_done: DoneFn, on_error: ErrorFn, on_token: TokenFn | None = None
+    ) -> None:
         """Queue ``request``; ``on_done(output)`` or ``on_error(exc)`` is called from the stepping thread.
+
+        ``on_token(index, token_id, logprob)``, if given, is called there for each token of sample ``index`` as
+        it is sampled (streaming), before ``on_done``.
 
         Raises:
             ValueError: for an invalid request (see ``validate``); nothing is queued then.
@@ -269,7 +278,7 @@ class EmbeddedEngine:
         """
         self.validate(request)
         with self._mu:
-            self._waiting.append(_Request(request, on_done, on_error, completions=[None] * request.params.n))
+            self._waiting.append(_Request(request, on_done, on_error, on_token, completions=[None] * request.params.n))
 
     def abort(self, request_id: str | None = None) -> None:
         """End the request(s) with ``request_id`` (all requests if None) at the next step, keeping their output."""
@@ -492,12 +501,22 @@ class EmbeddedEngine:
         for b, (r, tok, lp) in enumerate(zip(rows, tokens.tolist(), lps.tolist())):
             r.tokens.append(tok)
             r.logprobs.append(lp)
+            if r.req.on_token is not None:
+                self._stream_token(r, tok, lp)
             p = r.req.request.params
             if tok in r.stop_ids or _hit_stop_string(self.tokenizer, r.tokens, p.stop):
                 reasons[first + b] = "stop"
             elif len(r.tokens) >= p.max_new_tokens:
                 reasons[first + b] = "length"
         self._retire(reasons)
+
+    def _stream_token(self, row: _Row, token: int, logprob: float) -> None:
+        try:
+            row.req.on_token(row.index, token, logprob)
+        except Exception:  # its reader is gone (a closed event loop): stop generating for it, keep the others
+            log.exception("streaming a token failed; aborting request %s", row.req.request.request_id)
+            row.req.on_token = None
+            self.abort(row.req.request.request_id)
 
     def _retire(self, reasons: dict[int, str]) -> None:
         """Finish the row in each slot of ``reasons`` (slot -> finish reason), descending.

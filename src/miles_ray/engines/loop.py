@@ -10,6 +10,9 @@ Usage::
 
     loop = EngineLoop(EmbeddedEngine(config))
     out = await loop.generate(GenerateRequest(prompt_ids=ids))
+    async with contextlib.aclosing(loop.stream(request)) as events:   # tokens as they are sampled
+        async for event in events:                                    # TokenEvent..., then the GenerateOutput
+            ...
 """
 
 from __future__ import annotations
@@ -18,11 +21,22 @@ import asyncio
 import itertools
 import logging
 import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from miles_ray.engines.embedded import EmbeddedEngine
 from miles_ray.engines.requests import EngineDeadError, GenerateOutput, GenerateRequest
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One sampled token of sample ``index`` of a streamed request."""
+
+    index: int
+    token_id: int
+    logprob: float
 
 
 class EngineLoop:
@@ -63,19 +77,21 @@ class EngineLoop:
         """Make the worker look for work now (after a submit, abort or resume)."""
         self._wake.set()
 
-    async def generate(self, request: GenerateRequest) -> GenerateOutput:
-        """Submit ``request`` and wait for its output.
+    def _admit(self, request: GenerateRequest) -> None:
+        """Refuse work on a dead loop; name a request without ``request_id`` (``abort`` addresses requests by it)."""
+        self.check_alive()
+        if not request.request_id:
+            request.request_id = f"req-{next(self._ids)}"
 
-        A request without ``request_id`` gets a unique one (``abort`` addresses requests by it).
+    async def generate(self, request: GenerateRequest) -> GenerateOutput:
+        """Submit ``request`` and wait for its output; a request without ``request_id`` gets a unique one.
 
         Raises:
             ValueError: for an invalid request (nothing is queued).
             EngineDeadError: if the stepping thread has died.
 
         """
-        self.check_alive()
-        if not request.request_id:
-            request.request_id = f"req-{next(self._ids)}"
+        self._admit(request)
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
 
@@ -92,6 +108,38 @@ class EngineLoop:
         except asyncio.CancelledError:
             self.abort(request.request_id)
             raise
+
+    async def stream(self, request: GenerateRequest) -> AsyncIterator[TokenEvent | GenerateOutput]:
+        """Submit ``request`` and yield a ``TokenEvent`` per sampled token, then its ``GenerateOutput``.
+
+        Closing the iterator early (a client that went away) aborts the request.
+
+        Raises:
+            ValueError: for an invalid request (nothing is queued).
+            EngineDeadError: if the stepping thread has died.
+
+        """
+        self._admit(request)
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+
+        def put(item) -> None:  # engine thread -> this event loop, in order
+            loop.call_soon_threadsafe(events.put_nowait, item)
+
+        self.engine.submit(request, put, put, lambda i, tok, lp: put(TokenEvent(i, tok, lp)))
+        self.wake()
+        finished = False
+        try:
+            while not finished:
+                item = await events.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = isinstance(item, GenerateOutput)
+                yield item
+        finally:
+            if not finished:
+                self.abort(request.request_id)
 
     def abort(self, request_id: str | None = None) -> None:
         """Abort one request (or all); its output so far is returned to its caller."""

@@ -4,6 +4,11 @@ The base of ``VLLMServer`` and ``SGLangServer``: picks a free loopback port, sta
 builds (``command``) with its environment (``env``), logs to a temp file whose tail goes into every error,
 polls ``/health`` until the server answers, and stops the process (terminate, then kill) on ``close``.
 The process is outside Ray: it inherits the actor's environment (``CUDA_VISIBLE_DEVICES`` on GPUs).
+
+Every server gets a random ``api_key`` that the client sends as a bearer token: a loopback port is open to every
+user of the node, and these servers load weights (SGLang unpickles ``/update_weights_from_tensor`` payloads,
+vLLM runs ``/collective_rpc``), so an unauthenticated one lets any local user run code as the training user.
+The key reaches the server through its environment or a private file (``secret_file``), never its command line.
 """
 
 from __future__ import annotations
@@ -11,6 +16,8 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -19,6 +26,7 @@ import time
 from pathlib import Path
 
 from miles_ray.engines.requests import EngineDeadError, SamplingParams
+from miles_ray.keys import write_private
 
 _FLAG_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")
 
@@ -49,6 +57,8 @@ class ServerProcess:
         self.request_timeout_s = request_timeout_s
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.api_key = secrets.token_urlsafe(32)  # per server; `command`/`env` hand it over, the client sends it
+        self._secrets = tempfile.mkdtemp(prefix=f"miles_ray_{self.name}_secrets_")  # mode 0700
         self._log = tempfile.NamedTemporaryFile(prefix=f"miles_ray_{self.name}_", suffix=".log", delete=False)
         self._session = None
         env = dict(os.environ)
@@ -66,6 +76,12 @@ class ServerProcess:
         """Variables added to the actor's environment for the server."""
         return {}
 
+    def secret_file(self, name: str, text: str) -> str:
+        """Write ``text`` to a file only this user can read (removed on ``close``); returns its path."""
+        path = os.path.join(self._secrets, name)
+        write_private(path, text)
+        return path
+
     def log_tail(self, num_chars: int = 3000) -> str:
         """The end of the server's log (for error messages)."""
         self._log.flush()
@@ -81,7 +97,8 @@ class ServerProcess:
 
         if self._session is None:  # no total limit (generations are long); a server silent this long is hung
             timeout = aiohttp.ClientTimeout(total=None, sock_connect=30.0, sock_read=self.request_timeout_s)
-            self._session = aiohttp.ClientSession(timeout=timeout)
+            auth = {"Authorization": f"Bearer {self.api_key}"}
+            self._session = aiohttp.ClientSession(timeout=timeout, headers=auth)
         return self._session
 
     async def wait_healthy(self) -> None:
@@ -154,6 +171,7 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 pass
         self._signal_group(signal.SIGKILL)  # workers left behind by the parent
+        shutil.rmtree(self._secrets, ignore_errors=True)
 
     def _signal_group(self, sig: int) -> None:
         try:

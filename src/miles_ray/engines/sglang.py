@@ -52,6 +52,9 @@ from miles_ray.engines.server_process import (
 SITE_DIR = Path(__file__).resolve().parent / "sglang_site"
 # flags this module sets itself; sglang_args may not override them
 _OWN_FLAGS = {
+    "config",
+    "api-key",
+    "admin-api-key",
     "model-path",
     "host",
     "port",
@@ -197,6 +200,8 @@ class SGLangServer(ServerProcess):
             cmd += ["--attention-backend", "torch_native", "--disable-cuda-graph", "--skip-server-warmup"]
         if c.lora is not None:
             cmd += c.lora.flags(self.device)
+        # the key from a private file (SGLang's --config YAML), not argv: `ps` shows every user the command line
+        cmd += ["--config", self.secret_file("server.yaml", f"api-key: '{self.api_key}'\n")]
         return cmd + server_flags(c.sglang_args)
 
     def env(self) -> dict[str, str]:

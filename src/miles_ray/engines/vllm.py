@@ -42,6 +42,8 @@ from miles_ray.engines.server_process import (
 _EXT_DIR = Path(__file__).resolve().parent / "vllm_worker"
 # flags this module sets itself; vllm_args may not override them
 _OWN_FLAGS = {
+    "middleware",
+    "api-key",
     "model",
     "host",
     "port",
@@ -138,12 +140,14 @@ class VLLMServer(ServerProcess):
                 k.replace("_", "-") for k in c.vllm_args
             }:  # vLLM wants a whole prompt to fit in one step
                 cmd += ["--max-num-batched-tokens", str(max(c.max_model_len, _CPU_BATCHED_TOKENS))]
+        cmd += ["--middleware", "miles_ray_vllm_ext.RequireKey"]  # vLLM's own --api-key guards /v1 routes only
         return cmd + server_flags(c.vllm_args)
 
     def env(self) -> dict[str, str]:
         """Worker extension on the path, dev-mode routes, CPU KV cache size, then ``config.env``."""
         env = {"PYTHONPATH": os.pathsep.join(p for p in (str(_EXT_DIR), os.environ.get("PYTHONPATH", "")) if p)}
         env["VLLM_SERVER_DEV_MODE"] = "1"  # pause/resume, collective_rpc, reset_prefix_cache
+        env["MILES_RAY_SERVER_API_KEY"] = self.api_key  # read by RequireKey
         env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get(
             "VLLM_CPU_KVCACHE_SPACE", str(max(1, round(self.config.kv_cache_gb)))
         )

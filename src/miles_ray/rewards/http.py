@@ -9,10 +9,10 @@ so a reward server that is down or slow never stops a run. The timeout is ``Safe
 Usage::
 
     # on the reward machine (a sandbox, a judge model, ...)
-    python -m miles_ray.rewards.http --fn my_pkg.rewards:exact_match --port 8100
+    python -m miles_ray.rewards.http --fn my_pkg.rewards:exact_match --port 8100 --api-key-file KEY
 
     # in the driver
-    reward = SafeReward(HttpReward("http://reward-host:8100"), timeout_s=30)
+    reward = SafeReward(HttpReward("http://reward-host:8100", api_key=open("KEY").read()), timeout_s=30)
     groups = generate_groups(router, task, params, num_prompts, reward=reward)
 """
 
@@ -24,10 +24,12 @@ import concurrent.futures
 import hmac
 import inspect
 import math
+import os
 from collections.abc import Callable
 from typing import Any
 
 from miles_ray.callables import resolve_callable
+from miles_ray.keys import cli_key
 
 
 class HttpReward:
@@ -140,9 +142,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--group-fn", default=None, help="optional (texts, entry) -> list[float] import path")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8100)
-    p.add_argument("--api-key", default=None, help="require this bearer token")
+    p.add_argument("--api-key", default=None, help="visible in ps: prefer MILES_RAY_REWARD_API_KEY or --api-key-file")
+    p.add_argument(
+        "--api-key-file", default=None, help="a file holding the bearer token (random one written if absent)"
+    )
     args = p.parse_args(argv)
-    web.run_app(reward_app(args.fn, args.group_fn, args.api_key), host=args.host, port=args.port)
+    given = args.api_key or os.environ.get("MILES_RAY_REWARD_API_KEY")
+    key, where = cli_key(given, args.api_key_file, "miles_ray_reward_")  # every server has a key
+    print(f"miles_ray reward server on {args.host}:{args.port} (bearer token in {where})", flush=True)
+    web.run_app(reward_app(args.fn, args.group_fn, key), host=args.host, port=args.port)
 
 
 if __name__ == "__main__":

@@ -317,3 +317,25 @@ def test_the_loop_survives_a_failing_step_and_reports_a_dead_thread(tiny_model_p
     assert not loop.alive
     with pytest.raises(EngineDeadError, match="stepping thread has died"):
         asyncio.run(loop.generate(GenerateRequest(PROMPT, SamplingParams(max_new_tokens=2))))
+
+
+def test_streamed_tokens_arrive_in_order_and_a_broken_reader_aborts_only_its_request(engine):
+    """``on_token`` sees every sampled token before ``on_done``; one that raises (its event loop closed) ends
+    its own request and not the one decoding beside it."""
+    seen, outs = [], {}
+
+    def broken(index, token, logprob):
+        raise RuntimeError("Event loop is closed")
+
+    params = SamplingParams(n=2, max_new_tokens=12, ignore_eos=True, seed=1)
+    on_token = lambda i, t, lp: seen.append((i, t, lp))  # noqa: E731
+    engine.submit(GenerateRequest(PROMPT, params, "reader"), lambda o: outs.update(reader=o), pytest.fail, on_token)
+    engine.submit(GenerateRequest(PROMPT, params, "broken"), lambda o: outs.update(broken=o), pytest.fail, broken)
+    while engine.has_work():
+        engine.step()
+    reader, gone = outs["reader"], outs["broken"]
+    for i, c in enumerate(reader.completions):
+        assert c.finish_reason == "length" and [(t, lp) for j, t, lp in seen if j == i] == list(
+            zip(c.token_ids, c.logprobs)
+        )
+    assert all(c.finish_reason == "abort" and len(c.token_ids) <= 2 for c in gone.completions)

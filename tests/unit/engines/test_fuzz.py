@@ -16,7 +16,17 @@ KEY = "test-key"
 ROUTE_FIELDS = {
     "/generate": ["input_ids", "text", "sampling_params", "return_logprob", "rid", "stream"],
     "/v1/completions": ["prompt", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "logprobs", "stream"],
-    "/v1/chat/completions": ["messages", "max_tokens", "tools", "logprobs", "top_logprobs", "stop", "seed", "n"],
+    "/v1/chat/completions": [
+        "messages",
+        "max_tokens",
+        "tools",
+        "tool_choice",
+        "logprobs",
+        "top_logprobs",
+        "stop",
+        "seed",
+    ]
+    + ["n", "stream", "stream_options"],
     "/abort_request": ["rid", "abort_all"],
     "/pause_generation": ["mode"],
     "/continue_generation": [],
@@ -43,7 +53,9 @@ def value(rng: random.Random, depth: int = 0):
     if kind == "float":
         return rng.choice([0.0, -0.5, 0.5, 1e308, -1e-308, 3.7])
     if kind == "str":
-        return rng.choice(["", "a", "abort", "in_place", "x" * 300, "\u0000\ud7ff", "<tool_call>", "/", "Hello"])
+        return rng.choice(
+            ["", "a", "abort", "in_place", "x" * 300, "\u0000\ud7ff", "<tool_call>", "/", "Hello", "auto"]
+        )
     if kind == "ids":
         return [rng.randrange(-2, 70000) for _ in range(rng.randrange(0, 6))]
     if kind == "list":
@@ -81,7 +93,10 @@ def _fuzz(url: str, routes: list[str], n: int, seed: int, headers: dict, make_bo
             route = routes[i % len(routes)]
             data = make_body(rng, route)
             r = s.post(f"{url}{route}", data=data, headers={**headers, "Content-Type": "application/json"}, timeout=60)
-            if r.status_code >= 500:
+            streamed_error = (
+                r.headers.get("Content-Type", "").startswith("text/event-stream") and "server_error" in r.text
+            )
+            if r.status_code >= 500 or streamed_error:  # a stream's status is sent first: errors come as events
                 bad.append(f"{route} {data[:200]!r} -> {r.status_code} {r.text[:200]}")
             if route == "/pause_generation":  # a valid pause would stall the rest: undo it
                 s.post(f"{url}/continue_generation", headers=headers, timeout=60)

@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,8 +13,11 @@ from miles_ray.sync.checksum import probe_checksum, probe_rows
 
 
 def _server(cfg: SGLangEngineConfig, device: str) -> SGLangServer:
+    import tempfile
+
     server = SGLangServer.__new__(SGLangServer)  # only the command line: no process is started
     server.config, server.model_name, server.port, server.device = cfg, "policy", 1234, device
+    server.api_key, server._secrets = "k" * 43, tempfile.mkdtemp()
     return server
 
 
@@ -43,6 +47,9 @@ def test_cpu_command_and_environment_apply_the_shim_and_gpu_ones_do_not():
     assert "--enable-lora" not in cmd
     assert str(SITE_DIR) in cpu.env()["PYTHONPATH"] and cpu.env()["SGLANG_USE_CPU_ENGINE"] == "1"
     assert "--attention-backend" not in gpu.command() and gpu.env() == {}  # nothing of the shim on GPUs
+    config = Path(cmd[cmd.index("--config") + 1])  # the server's key: in a private file, not on the command line
+    assert config.read_text() == f"api-key: '{cpu.api_key}'\n" and config.stat().st_mode & 0o777 == 0o600
+    assert not any(cpu.api_key in part for part in cmd)
 
 
 def test_pool_config_selects_sglang():

@@ -25,7 +25,7 @@ def test_command_line_carries_the_settings_and_passthrough_flags():
     passthrough = {"enforce_eager": True, "max-num-seqs": 64, "disable-log-stats": False}
     cfg = VLLMEngineConfig(model_path="/m", python="/py", dtype="bfloat16", max_model_len=512, vllm_args=passthrough)
     server = VLLMServer.__new__(VLLMServer)  # only the command line: no process is started
-    server.config, server.model_name, server.port = cfg, "policy", 1234
+    server.config, server.model_name, server.port, server.api_key = cfg, "policy", 1234, "k" * 43
     cmd = server.command()
     assert cmd[:4] == ["/py", "-m", "vllm.entrypoints.openai.api_server", "--model"]
     for flag, value in [
@@ -38,11 +38,15 @@ def test_command_line_carries_the_settings_and_passthrough_flags():
     ]:
         assert cmd[cmd.index(flag) + 1] == value
     assert "--enforce-eager" in cmd and "--disable-log-stats" not in cmd and "--enable-prefix-caching" in cmd
+    # the server's key: checked by miles_ray's middleware on every route, handed over in the environment only
+    assert cmd[cmd.index("--middleware") + 1] == "miles_ray_vllm_ext.RequireKey"
+    assert server.env()["MILES_RAY_SERVER_API_KEY"] == server.api_key and not any(server.api_key in c for c in cmd)
 
 
 def _command(**fields) -> list[str]:
     server = VLLMServer.__new__(VLLMServer)  # only the command line: no process is started
     server.config, server.model_name, server.port = VLLMEngineConfig(model_path="/m", **fields), "policy", 1234
+    server.api_key = "k" * 43
     return server.command()
 
 

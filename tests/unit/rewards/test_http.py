@@ -88,20 +88,26 @@ def test_group_reward_failures_in_process():
         HttpReward("localhost:8100")
 
 
-def test_reward_server_cli_serves_an_import_path():
-    port = _port()
+def test_reward_server_cli_serves_an_import_path_behind_a_random_key(tmp_path):
+    """No key given: the CLI makes one and writes it to --api-key-file (0600), never to its output (#23)."""
+    port, key_file = _port(), tmp_path / "reward_key"
     cmd = [sys.executable, "-m", "miles_ray.rewards.http", "--fn", "operator:contains", "--port", str(port)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    cmd += ["--api-key-file", str(key_file)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
         _wait_healthy(url)
-        reward = SafeReward(HttpReward(url), timeout_s=5)
+        key = key_file.read_text()
+        assert len(key) >= 32 and key_file.stat().st_mode & 0o777 == 0o600
+        assert SafeReward(HttpReward(url), timeout_s=5)("hello world", "world")[1].kind == "exception"  # 401
+        reward = SafeReward(HttpReward(url, api_key=key), timeout_s=5)
         assert reward("hello world", "world") == (1.0, None)  # operator.contains(text, entry)
-        bad = requests.post(f"{url}/reward", json={"entry": "x"}, timeout=5)
+        bad = requests.post(f"{url}/reward", json={"entry": "x"}, headers={"Authorization": f"Bearer {key}"}, timeout=5)
         assert bad.status_code == 400 and "'response'" in bad.json()["error"]
     finally:
         proc.terminate()
-        proc.wait(timeout=10)
+        output, _ = proc.communicate(timeout=10)
+    assert str(key_file) in output and key not in output
 
 
 def test_a_slow_synchronous_reward_does_not_block_the_others(reward_server):

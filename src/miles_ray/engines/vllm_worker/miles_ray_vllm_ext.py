@@ -5,7 +5,10 @@ package (the server's environment need not have it) and loads the weight digest 
 checksum it returns is computed exactly as the trainer computes its own.
 """
 
+import hashlib
+import hmac
 import importlib.util
+import os
 from pathlib import Path
 
 _DIGEST = Path(__file__).resolve().parents[2] / "sync" / "digest.py"
@@ -52,3 +55,34 @@ class WeightLoader:
         self.model_runner.reload_weights(weights_iterator=iter(tensors.items()))
         _repack_tied_heads(self.model_runner.get_model())
         return _digest_module().named_tensors_checksum(tensors.items()) if verify == "1" else ""
+
+
+class RequireKey:
+    """ASGI middleware (``--middleware miles_ray_vllm_ext.RequireKey``): a bearer key on every route but /health.
+
+    The key is ``$MILES_RAY_SERVER_API_KEY``, sent as ``Authorization: Bearer <key>``.
+
+    vLLM's own ``--api-key`` guards only ``/v1``-style routes, not the dev-mode ones miles_ray drives
+    (``/collective_rpc`` runs code in the workers, ``/pause``, ``/resume``), which any local user could call.
+    """
+
+    def __init__(self, app):
+        self.app = app
+        key = os.environ.get("MILES_RAY_SERVER_API_KEY", "")
+        if not key:
+            raise RuntimeError("MILES_RAY_SERVER_API_KEY is not set: the server would be open to every local user")
+        self._digest = hashlib.sha256(f"Bearer {key}".encode()).digest()
+
+    async def __call__(self, scope, receive, send):
+        """Pass authorised requests (and /health, for start-up polling) on; answer others 401."""
+        if scope["type"] not in ("http", "websocket") or scope.get("path") == "/health":
+            return await self.app(scope, receive, send)
+        sent = dict(scope.get("headers") or []).get(b"authorization", b"")
+        if hmac.compare_digest(hashlib.sha256(sent).digest(), self._digest):
+            return await self.app(scope, receive, send)
+        if scope["type"] == "websocket":
+            return await send({"type": "websocket.close", "code": 1008})
+        body = b'{"error": "missing or wrong bearer token"}'
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        await send({"type": "http.response.start", "status": 401, "headers": headers})
+        await send({"type": "http.response.body", "body": body})

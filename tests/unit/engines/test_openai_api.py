@@ -1,0 +1,222 @@
+"""The OpenAI routes of the embedded engine over real HTTP, called with the real ``openai`` client: plain and
+streamed completions and chats (a stream carries exactly the plain response's tokens, logprobs and text), tool
+choice, and the hardened surface (client disconnects abort, the waiting queue is bounded, admin routes have
+their own key)."""
+
+import asyncio
+import threading
+import time
+
+import pytest
+import requests
+import torch
+
+KEY = "test-key"  # the key the `server` fixture (tests/conftest.py) starts the engine with
+PROMPT = [1, 50, 60, 70, 80]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "calculator",
+            "description": "Evaluate an arithmetic expression",
+            "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}},
+        },
+    }
+]
+MESSAGES = [{"role": "user", "content": "What is 2 + 3?"}]
+
+
+def _client(url):
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
+
+
+def test_openai_completions_with_token_prompt(server, teacher_forced):
+    client = _client(server)
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    resp = client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=8, logprobs=0, seed=5, extra_body={"ignore_eos": True}
+    )
+    choice = resp.choices[0]
+    assert choice.prompt_token_ids == PROMPT and len(choice.token_ids) == 8
+    ref = teacher_forced(PROMPT, choice.token_ids)
+    assert (torch.tensor(choice.logprobs.token_logprobs) - ref).abs().max().item() < 1e-5
+    assert resp.usage.completion_tokens == 8 and resp.usage.prompt_tokens == 5
+
+
+def test_openai_chat_returns_trainable_tokens(server, tiny_model_path):
+    from openai import BadRequestError
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_path)
+    client = _client(server)
+    resp = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=10, n=2, logprobs=True, seed=1)
+    expected_prompt = tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert resp.prompt_token_ids == list(expected_prompt)
+    for choice in resp.choices:
+        assert choice.message.content == tok.decode(choice.token_ids, skip_special_tokens=True)
+        assert len(choice.logprobs.content) == len(choice.token_ids)
+        assert all(c.logprob <= 0 for c in choice.logprobs.content)
+    for alternatives in (1, 3):
+        with pytest.raises(BadRequestError, match="top_logprobs"):
+            client.chat.completions.create(model="tiny", messages=MESSAGES, logprobs=True, top_logprobs=alternatives)
+
+
+def test_a_streamed_chat_is_the_plain_chat_chunk_by_chunk(server):
+    """Same seed, stream and no stream: the deltas join into the same text, tokens and logprobs (n=2, usage)."""
+    client = _client(server)
+    kwargs = {"model": "tiny", "messages": MESSAGES, "max_tokens": 24, "n": 2, "logprobs": True, "seed": 11}
+    plain = client.chat.completions.create(**kwargs)
+    stream = client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True})
+    text, ids, lps, reasons, prompts, usage, roles = {}, {}, {}, {}, {}, None, {}
+    for chunk in stream:
+        extra = chunk.model_extra or {}
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            i = c.index
+            if c.delta.role:
+                roles[i] = c.delta.role
+                prompts[i] = extra["prompt_token_ids"]
+            text[i] = text.get(i, "") + (c.delta.content or "")
+            ids.setdefault(i, []).extend(c.model_extra["token_ids"])
+            lps.setdefault(i, []).extend(x.logprob for x in (c.logprobs.content if c.logprobs else []))
+            reasons[i] = c.finish_reason or reasons.get(i)
+    assert roles == {0: "assistant", 1: "assistant"} and prompts[0] == prompts[1] == plain.prompt_token_ids
+    for choice in plain.choices:
+        i = choice.index
+        assert text[i] == choice.message.content and ids[i] == choice.token_ids
+        assert lps[i] == [x.logprob for x in choice.logprobs.content] and reasons[i] == choice.finish_reason
+    assert usage.completion_tokens == plain.usage.completion_tokens == sum(len(c.token_ids) for c in plain.choices)
+
+
+def test_streamed_completions_of_several_prompts_match_the_plain_ones(server):
+    client = _client(server)
+    kwargs = {"model": "tiny", "prompt": [PROMPT, [1, 2, 3]], "max_tokens": 20, "n": 2, "seed": 4, "logprobs": 0}
+    plain = client.completions.create(**kwargs)
+    text, ids, lps, prompts = {}, {}, {}, {}
+    for chunk in client.completions.create(**kwargs, stream=True):
+        for c in chunk.choices:
+            extra = c.model_extra
+            text[c.index] = text.get(c.index, "") + c.text
+            ids.setdefault(c.index, []).extend(extra["token_ids"])
+            lps.setdefault(c.index, []).extend(c.logprobs.token_logprobs if c.logprobs else [])
+            if "prompt_token_ids" in extra:
+                prompts[c.index] = extra["prompt_token_ids"]
+    assert sorted(text) == [0, 1, 2, 3]
+    for choice in plain.choices:
+        assert text[choice.index] == choice.text and ids[choice.index] == choice.token_ids
+        assert lps[choice.index] == choice.logprobs.token_logprobs
+        assert prompts[choice.index] == choice.prompt_token_ids == ([PROMPT] * 2 + [[1, 2, 3]] * 2)[choice.index]
+
+
+def test_a_named_tool_choice_starts_the_call_in_the_prompt(server, tiny_model_path):
+    """tool_choice naming a function: the parser's opening of the call joins the prompt, the sampled tokens
+    follow it; the random tiny model writes no valid JSON, so the text stays content (never a 500)."""
+    from transformers import AutoTokenizer
+
+    from miles_ray.engines.tool_calls import HermesToolParser
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_path)
+    prefix = HermesToolParser().forced_prefix("calculator")
+    choice = {"type": "function", "function": {"name": "calculator"}}
+    resp = _client(server).chat.completions.create(
+        model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice=choice, max_tokens=6, seed=2
+    )
+    rendered = tok.apply_chat_template(MESSAGES, tools=TOOLS, tokenize=False, add_generation_prompt=True)
+    assert resp.prompt_token_ids == tok(rendered + prefix, add_special_tokens=False)["input_ids"]
+    [c] = resp.choices
+    sampled = tok.decode(c.token_ids, skip_special_tokens=True)
+    assert c.message.tool_calls is None and c.message.content == prefix + sampled
+
+
+@pytest.mark.parametrize(
+    ("extra", "match"),
+    [
+        ({"tool_choice": "auto"}, "needs tools"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "search"}}}, "one of the tools"),
+        ({"tools": TOOLS, "tool_choice": "always"}, "tool_choice must be"),
+        ({"stream": "yes"}, "stream must be true or false"),
+        ({"stream": True, "stream_options": {"include_usage": True, "x": 1}}, "stream_options"),
+    ],
+)
+def test_bad_tool_and_stream_fields_get_400(server, extra, match):
+    r = requests.post(
+        f"{server}/v1/chat/completions",
+        json={"messages": MESSAGES, "max_tokens": 2, **extra},
+        headers={"Authorization": f"Bearer {KEY}"},
+        timeout=60,
+    )
+    assert r.status_code == 400 and match in r.json()["error"]["message"], r.text
+
+
+@pytest.fixture(scope="module")
+def paused_server(tiny_model_path):
+    """An in-process server with a one-request queue bound and an admin key; yields ``(url, engine)``."""
+    from miles_ray.engines.embedded import EmbeddedEngine, EmbeddedEngineConfig
+    from miles_ray.engines.http_server import HttpServerConfig, start_server
+    from miles_ray.engines.loop import EngineLoop
+
+    engine = EmbeddedEngine(EmbeddedEngineConfig(model_path=tiny_model_path, max_batch_size=2, max_seq_len=64))
+    config = HttpServerConfig(api_key=KEY, admin_api_key="admin-key", max_waiting_requests=1)
+    loop = asyncio.new_event_loop()  # start_server itself (not a test runner): its settings are under test
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    runner, url = asyncio.run_coroutine_threadsafe(start_server(EngineLoop(engine), "tiny", config), loop).result(60)
+    yield url, engine
+    asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(30)
+    loop.call_soon_threadsafe(loop.stop)
+
+
+def _wait_for(condition, seconds: float = 20.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_admin_routes_need_the_admin_key(paused_server):
+    url, engine = paused_server
+    user, admin = {"Authorization": f"Bearer {KEY}"}, {"Authorization": "Bearer admin-key"}
+    refused = requests.post(f"{url}/pause_generation", json={"mode": "in_place"}, headers=user, timeout=10)
+    assert refused.status_code == 401 and "admin bearer token" in refused.json()["error"]["message"]
+    assert not engine.paused
+    assert requests.post(f"{url}/abort_request", json={"abort_all": True}, headers=user, timeout=10).status_code == 401
+    assert requests.get(f"{url}/health", headers=admin, timeout=10).status_code == 401  # admin key is not api_key
+    assert requests.post(f"{url}/pause_generation", json={}, headers=admin, timeout=10).status_code == 200
+    assert requests.post(f"{url}/continue_generation", headers=admin, timeout=10).status_code == 200
+
+
+def test_a_full_queue_answers_503_and_a_client_that_leaves_is_aborted(paused_server):
+    """Paused engine: one request waits (the bound), the next gets 503 + Retry-After; the waiting client then
+    disconnects, and its request leaves the engine (handler cancelled, request aborted) without a resume."""
+    url, engine = paused_server
+    user, admin = {"Authorization": f"Bearer {KEY}"}, {"Authorization": "Bearer admin-key"}
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 4}
+    requests.post(f"{url}/pause_generation", json={"mode": "in_place"}, headers=admin, timeout=10)
+    try:
+        for stream in (False, True):
+            leaving = threading.Thread(target=_leave_after, args=(url, {**body, "stream": stream}, user, 2.0))
+            leaving.start()
+            assert _wait_for(lambda: engine.stats()["waiting"] == 1)
+            full = requests.post(f"{url}/v1/completions", json=body, headers=user, timeout=10)
+            assert full.status_code == 503 and full.headers["Retry-After"] == "1"
+            assert "max_waiting_requests=1" in full.json()["error"]["message"]
+            leaving.join()
+            assert _wait_for(lambda: engine.stats()["waiting"] == 0 and not engine.request_ids()), stream
+    finally:
+        requests.post(f"{url}/continue_generation", headers=admin, timeout=10)
+    ok = requests.post(f"{url}/v1/completions", json=body, headers=user, timeout=60)
+    assert ok.status_code == 200 and len(ok.json()["choices"][0]["token_ids"]) <= 4
+
+
+def _leave_after(url: str, body: dict, headers: dict, seconds: float) -> None:
+    """A client that gives up after ``seconds`` (its connection closes)."""
+    try:
+        with requests.post(f"{url}/v1/completions", json=body, headers=headers, timeout=seconds, stream=True) as r:
+            for _ in r.iter_lines():  # a stream sends headers at once: wait for events until the timeout
+                pass
+    except requests.exceptions.RequestException:
+        pass

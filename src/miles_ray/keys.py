@@ -6,10 +6,16 @@ random one and writes it to a file only its user can read, whose path it prints 
 
 from __future__ import annotations
 
+import hmac
 import os
 import secrets
 import tempfile
 from pathlib import Path
+
+
+def bearer_matches(authorization: str, key: str) -> bool:
+    """Whether an ``Authorization`` header carries ``Bearer <key>`` (constant-time: no timing hint of the key)."""
+    return hmac.compare_digest(authorization.encode(), f"Bearer {key}".encode())
 
 
 def write_private(path: str | os.PathLike, text: str) -> None:

@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
-import hmac
 import os
 import uuid
 from pathlib import Path
@@ -51,7 +50,7 @@ from miles_ray.engines.http_common import (
 from miles_ray.engines.loop import EngineLoop
 from miles_ray.engines.openai_api import OpenAIRoutes
 from miles_ray.engines.requests import EngineDeadError, GenerateOutput, GenerateRequest, SamplingParams
-from miles_ray.keys import cli_key
+from miles_ray.keys import bearer_matches, cli_key
 
 __all__ = ["EngineServer", "HttpServerConfig", "RequestError", "is_loopback", "main", "start_server"]
 
@@ -102,20 +101,18 @@ class EngineServer:
         )
         self.app = app
 
-    def _authorized(self, request: web.Request) -> bool:
-        admin = self.config.admin_api_key is not None and request.path in ADMIN_ROUTES
-        key = self.config.admin_api_key if admin else self.config.api_key
-        if key is None:
-            return True
-        sent = request.headers.get("Authorization", "")
-        return hmac.compare_digest(sent.encode(), f"Bearer {key.get_secret_value()}".encode())
+    def _required_key(self, path: str) -> tuple[str | None, str]:
+        """The key ``path`` needs (None: no auth) and its name in the 401 message."""
+        if self.config.admin_api_key is not None and path in ADMIN_ROUTES:
+            return self.config.admin_api_key.get_secret_value(), "admin bearer token"
+        key = self.config.api_key
+        return (key.get_secret_value() if key is not None else None), "bearer token"
 
     @web.middleware
     async def _middleware(self, request: web.Request, handler):
-        if not self._authorized(request):
-            which = "admin " if self.config.admin_api_key is not None and request.path in ADMIN_ROUTES else ""
-            msg = f"missing or wrong {which}bearer token in the Authorization header"
-            return error_response(msg, 401, "authentication_error")
+        key, what = self._required_key(request.path)
+        if key is not None and not bearer_matches(request.headers.get("Authorization", ""), key):
+            return error_response(f"missing or wrong {what} in the Authorization header", 401, "authentication_error")
         try:
             return await handler(request)
         except RequestError as exc:

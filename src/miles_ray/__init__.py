@@ -14,26 +14,6 @@ Five standalone actors, each with a typed config beside it:
 the whole stack from its configs in one call. See ``examples/quickstart.py``.
 """
 
-from miles_ray import placement
-from miles_ray.actors import (
-    AsyncRollout,
-    AsyncRolloutConfig,
-    CriticGroup,
-    CriticGroupConfig,
-    ReferenceGroup,
-    ReferenceGroupConfig,
-    ReplayBuffer,
-    ReplayBufferConfig,
-    RolloutPool,
-    RolloutPoolConfig,
-    Router,
-    RouterConfig,
-    TrainerGroup,
-    TrainerGroupConfig,
-    WeightBroadcaster,
-    WeightBroadcasterConfig,
-    WeightSyncError,
-)
 from miles_ray.deprecation import moved
 from miles_ray.engines.embedded import EmbeddedEngineConfig
 from miles_ray.engines.http_server import HttpServerConfig
@@ -41,16 +21,50 @@ from miles_ray.engines.requests import GenerateRequest, SamplingParams
 from miles_ray.engines.sglang import SGLangEngineConfig
 from miles_ray.engines.vllm import VLLMEngineConfig
 from miles_ray.hooks import TrainerHooksConfig
-from miles_ray.stack import Stack, StackConfig, build_stack
+from miles_ray.lazy import lazy
 from miles_ray.types import GroupRef, Prompt, RolloutBatch, Sample
 
-# names of earlier releases: they resolve, with a DeprecationWarning naming the new one
-__getattr__ = moved(
+# the actors, the stack and placement import Ray: they load on first use, so the engine, the trainer backends,
+# the RL step and the sync transports import without Ray (tests/unit/test_ray_free.py checks it)
+_ACTORS = "miles_ray.actors"
+__getattr__ = lazy(
     __name__,
     {
-        "RolloutWorker": "miles_ray.actors.async_rollout:AsyncRollout",
-        "RolloutWorkerConfig": "miles_ray.actors.async_rollout:AsyncRolloutConfig",
+        **{
+            name: f"{_ACTORS}:{name}"
+            for name in (
+                "AsyncRollout",
+                "AsyncRolloutConfig",
+                "CriticGroup",
+                "CriticGroupConfig",
+                "ReferenceGroup",
+                "ReferenceGroupConfig",
+                "ReplayBuffer",
+                "ReplayBufferConfig",
+                "RolloutPool",
+                "RolloutPoolConfig",
+                "Router",
+                "RouterConfig",
+                "TrainerGroup",
+                "TrainerGroupConfig",
+                "WeightBroadcaster",
+                "WeightBroadcasterConfig",
+                "WeightSyncError",
+            )
+        },
+        "Stack": "miles_ray.stack:Stack",
+        "StackConfig": "miles_ray.stack:StackConfig",
+        "build_stack": "miles_ray.stack:build_stack",
+        "placement": "miles_ray.placement",
     },
+    # names of earlier releases: they resolve, with a DeprecationWarning naming the new one
+    fallback=moved(
+        __name__,
+        {
+            "RolloutWorker": "miles_ray.actors.async_rollout:AsyncRollout",
+            "RolloutWorkerConfig": "miles_ray.actors.async_rollout:AsyncRolloutConfig",
+        },
+    ),
 )
 
 __version__ = "0.1.0"

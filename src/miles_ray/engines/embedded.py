@@ -35,7 +35,7 @@ import torch
 from pydantic import Field
 
 from miles_ray.config import StrictConfig
-from miles_ray.devices import native_bf16
+from miles_ray.devices import native_bf16, rank_device
 from miles_ray.engines.requests import (
     Completion,
     GenerateOutput,
@@ -52,10 +52,20 @@ log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def resolved_dtype(dtype: str) -> torch.dtype:
-    """An engine dtype name as a torch dtype; ``auto``: bfloat16 where this process's device computes it natively."""
+def resolved_device(device: str) -> torch.device:
+    """An engine device name as a torch device; ``auto``: the CUDA device this process was given, else the CPU."""
+    if device == "auto":
+        return rank_device()
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' but this process sees no CUDA device; allowed here: 'cpu' or 'auto'")
+    return torch.device(device, torch.cuda.current_device()) if device == "cuda" else torch.device(device)
+
+
+def resolved_dtype(dtype: str, device: torch.device | None = None) -> torch.dtype:
+    """An engine dtype name as a torch dtype; ``auto``: bfloat16 where ``device`` (the CPU by default) computes it
+    natively."""
     if dtype == "auto":
-        return torch.bfloat16 if native_bf16(torch.device("cpu")) else torch.float32
+        return torch.bfloat16 if native_bf16(device or torch.device("cpu")) else torch.float32
     return _DTYPES[dtype]
 
 
@@ -68,6 +78,11 @@ class EmbeddedEngineConfig(StrictConfig):
         "float32",
         description="Weights and KV cache dtype. 'auto': bfloat16 where the device computes it natively (CUDA with "
         "bf16, CPUs with AVX512-BF16 or AMX), else float32; float32 gives exact logprobs (equal to an fp32 trainer's).",
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto",
+        description="Where the model, KV cache and sampling live. 'auto': the CUDA device this process was given "
+        "(Ray sets it for an engine with GPUs), else the CPU.",
     )
     max_batch_size: int = Field(64, ge=1, le=4096, description="Sequences decoded together at most (KV slots).")
     max_seq_len: int = Field(1024, ge=8, le=131072, description="Prompt + response tokens per sequence at most.")
@@ -134,8 +149,9 @@ class EmbeddedEngine:
         torch.set_num_threads(config.num_threads)
         if config.tune_malloc:
             _keep_freed_memory()
-        self.dtype = resolved_dtype(config.dtype)
-        self.model = build_engine_model(config.model_path, self.dtype)
+        self.device = resolved_device(config.device)
+        self.dtype = resolved_dtype(config.dtype, self.device)
+        self.model = build_engine_model(config.model_path, self.dtype).to(self.device)
         self._rounded: dict[str, RoundedLinear] = {}  # weight name -> layer computing with its rounded copy
         if config.weight_format is not None:
             for name in apply_weight_format(self.model, config.weight_format, "engine"):
@@ -333,7 +349,7 @@ class EmbeddedEngine:
             return marks or (not self._paused and bool(self._running or waiting))
 
     def stats(self) -> dict:
-        """Load: running sequences, waiting requests, KV tokens in use and the slot count."""
+        """Load: running sequences, waiting requests, KV tokens in use and the slot count; dtype and device."""
         return {
             "running": len(self._running),
             "waiting": len(self._waiting),
@@ -341,6 +357,7 @@ class EmbeddedEngine:
             "num_slots": self.num_slots,
             "paused": self._paused,
             "dtype": str(self.dtype).removeprefix("torch."),
+            "device": str(self.device),
         }
 
     def generate(self, requests: list[GenerateRequest]) -> list[GenerateOutput]:
@@ -459,7 +476,8 @@ class EmbeddedEngine:
         ids = torch.full((len(prompts), max(len(p) for p in prompts)), self.pad_token_id, dtype=torch.long)
         for i, p in enumerate(prompts):
             ids[i, : len(p)] = torch.tensor(p)
-        logits = self.model.prefill(ids, torch.tensor([len(p) for p in prompts]), self._cache, first)
+        lengths = torch.tensor([len(p) for p in prompts])
+        logits = self.model.prefill(ids.to(self.device), lengths.to(self.device), self._cache, first)
         if self.config.prefix_sharing:  # samples 1..n-1 copy their prompt's KV into their own slots
             head_of = {id(r.req): i for i, r in enumerate(prefilled)}
             source = [head_of[id(r.req)] for r in rows]
@@ -468,10 +486,11 @@ class EmbeddedEngine:
         else:
             source = list(range(len(rows)))
         if self.model.last_routes is not None:  # a prompt's routes are shared by its samples, like its KV
+            routes = self.model.last_routes.cpu()  # one copy per step, not one per row
             for r, i in zip(rows, source):
-                r.routes.append(self.model.last_routes[i, : len(prompts[i])])
+                r.routes.append(routes[i, : len(prompts[i])])
         self._running.extend(rows)
-        self._advance(logits[torch.tensor(source)], first)
+        self._advance(logits[torch.tensor(source, device=logits.device)], first)
 
     def _new_row(self, req: _Request, j: int) -> _Row:
         p = req.request.params
@@ -482,10 +501,10 @@ class EmbeddedEngine:
         return _Row(req, j, gen, stop_ids, length=len(req.request.prompt_ids))
 
     def _decode(self) -> None:
-        tokens = torch.tensor([r.tokens[-1] for r in self._running])
-        positions = torch.tensor([r.length for r in self._running])
+        tokens = torch.tensor([r.tokens[-1] for r in self._running]).to(self.device)
+        positions = torch.tensor([r.length for r in self._running]).to(self.device)
         logits = self.model.decode(tokens, positions, self._cache)
-        routes = self.model.last_routes
+        routes = None if self.model.last_routes is None else self.model.last_routes.cpu()
         for b, r in enumerate(self._running):
             r.length += 1
             if routes is not None:
@@ -551,10 +570,11 @@ def _sample(
     """
     temps = [p.temperature if p.temperature > 0 else 1.0 for p in params]
     if any(t != 1.0 for t in temps):  # vocab-wide ops dominate sampling: skip the ones that do nothing
-        logits = logits / torch.tensor(temps)[:, None]
+        logits = logits / torch.tensor(temps, device=logits.device)[:, None]
     logprobs_all = torch.log_softmax(logits, dim=-1)
     tokens = logprobs_all.argmax(-1)  # greedy rows keep this
-    u = torch.stack([torch.rand((), generator=g) for g in gens])
+    # the rows' generators live on the CPU whatever the device: a seed draws the same uniforms on CPU and GPU
+    u = torch.stack([torch.rand((), generator=g) for g in gens]).to(logits.device)
     plain = [i for i, p in enumerate(params) if p.temperature > 0 and p.top_k == -1 and p.top_p == 1.0]
     if plain:
         rows = logprobs_all if len(plain) == len(params) else logprobs_all[plain]

@@ -79,9 +79,15 @@ def smollm2_135m_dir() -> Path:
 
 
 def tiny_llama_dir(
-    num_layers: int = 2, hidden_size: int = 64, num_heads: int = 4, num_kv_heads: int = 2, seed: int = 0
+    num_layers: int = 2,
+    hidden_size: int = 64,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    seed: int = 0,
+    intermediate_size: int | None = None,
+    tokenizer: str | Path | None = None,
 ) -> Path:
-    """Return an HF directory of a small random Llama with SmolLM2's tokenizer (for fast tests).
+    """Return an HF directory of a random Llama with SmolLM2's tokenizer (small by default, for fast tests).
 
     Args:
         num_layers: decoder layers.
@@ -89,18 +95,24 @@ def tiny_llama_dir(
         num_heads: attention heads.
         num_kv_heads: key/value heads (grouped-query attention when fewer than ``num_heads``).
         seed: torch seed for the random init, so the same arguments give the same weights.
+        intermediate_size: MLP width; None: ``3 * hidden_size``.
+        tokenizer: a directory holding SmolLM2's tokenizer files, where SmolLM2 itself is not installed (the GPU
+            check's machine); None: the installed SmolLM2's.
 
     """
     if hidden_size % num_heads or num_heads % num_kv_heads:
         raise ValueError("hidden_size must divide by num_heads and num_heads by num_kv_heads")
+    intermediate_size = intermediate_size or hidden_size * 3
     name = f"tiny-llama-l{num_layers}-h{hidden_size}-a{num_heads}-kv{num_kv_heads}-s{seed}"
+    if intermediate_size != hidden_size * 3:
+        name += f"-i{intermediate_size}"
 
     def build(common: dict):
         from transformers import LlamaConfig, LlamaForCausalLM
 
         config = LlamaConfig(
             hidden_size=hidden_size,
-            intermediate_size=hidden_size * 3,
+            intermediate_size=intermediate_size,
             num_hidden_layers=num_layers,
             num_attention_heads=num_heads,
             num_key_value_heads=num_kv_heads,
@@ -108,11 +120,12 @@ def tiny_llama_dir(
         )
         return LlamaForCausalLM(config)
 
-    return _random_model_dir(name, seed, build)
+    return _random_model_dir(name, seed, build, tokenizer)
 
 
-def _random_model_dir(name: str, seed: int, build) -> Path:
-    """Cache dir ``name`` holding ``build(common)``'s model, initialised under ``seed``, with SmolLM2's tokenizer.
+def _random_model_dir(name: str, seed: int, build, tokenizer: str | Path | None = None) -> Path:
+    """Cache dir ``name`` holding ``build(common)``'s model, initialised under ``seed``, with SmolLM2's tokenizer
+    (from the directory ``tokenizer``, else the installed SmolLM2).
 
     ``common`` holds the config fields every tiny model shares (the tokenizer's vocabulary and special tokens).
     """
@@ -121,7 +134,7 @@ def _random_model_dir(name: str, seed: int, build) -> Path:
         import torch
         from transformers import AutoTokenizer
 
-        tok = AutoTokenizer.from_pretrained(smollm2_135m_dir())
+        tok = AutoTokenizer.from_pretrained(tokenizer or smollm2_135m_dir())
         common = {
             "vocab_size": len(tok),
             "max_position_embeddings": 2048,
@@ -145,6 +158,7 @@ def tiny_moe_dir(
     num_heads: int = 4,
     num_kv_heads: int = 2,
     seed: int = 0,
+    tokenizer: str | Path | None = None,
 ) -> Path:
     """Return an HF directory of a small random Mixtral (sparse MoE, top-k routing) with SmolLM2's tokenizer.
 
@@ -156,6 +170,7 @@ def tiny_moe_dir(
         num_heads: attention heads.
         num_kv_heads: key/value heads.
         seed: torch seed for the random init.
+        tokenizer: as for ``tiny_llama_dir``.
 
     """
     if not 1 <= top_k <= num_experts:
@@ -177,7 +192,7 @@ def tiny_moe_dir(
         )
         return MixtralForCausalLM(config)
 
-    return _random_model_dir(name, seed, build)
+    return _random_model_dir(name, seed, build, tokenizer)
 
 
 def upcycled_moe_dir(num_experts: int = 4, top_k: int = 2, noise: float = 0.2, seed: int = 0) -> Path:

@@ -167,7 +167,7 @@ class Attention(nn.Module):
             v_cache[rows, :, :seq] = v
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         else:
-            idx = torch.arange(bsz)
+            idx = torch.arange(bsz, device=x.device)
             k_cache[idx, :, batch.positions] = k[:, :, 0]
             v_cache[idx, :, batch.positions] = v[:, :, 0]
             keys, values = k_cache[:bsz, :, : batch.end], v_cache[:bsz, :, : batch.end]
@@ -224,11 +224,13 @@ class KVCache:
     moving the last one in), so decode reads a contiguous view, never a gathered copy.
     """
 
-    def __init__(self, a: LlamaArgs, num_slots: int, slot_len: int, dtype: torch.dtype):
+    def __init__(
+        self, a: LlamaArgs, num_slots: int, slot_len: int, dtype: torch.dtype, device: torch.device | None = None
+    ):
         shape = (num_slots, a.num_kv_heads, slot_len, a.head_dim)
         self.num_slots, self.slot_len = num_slots, slot_len
-        self.k = [torch.zeros(shape, dtype=dtype) for _ in range(a.num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype) for _ in range(a.num_layers)]
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(a.num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(a.num_layers)]
 
     def copy_slot(self, src: int, dst: int, length: int) -> None:
         """Copy the first ``length`` positions of slot ``src`` into slot ``dst`` (prefix sharing, compaction)."""
@@ -282,8 +284,9 @@ class LlamaModel(nn.Module):
         return model.to(dtype).eval().requires_grad_(False)
 
     def new_cache(self, num_slots: int, slot_len: int) -> KVCache:
-        """Allocate a slot KV cache in the model's dtype."""
-        return KVCache(self.args, num_slots, slot_len, self.model.embed_tokens.weight.dtype)
+        """Allocate a slot KV cache in the model's dtype, on its device."""
+        weight = self.model.embed_tokens.weight
+        return KVCache(self.args, num_slots, slot_len, weight.dtype, weight.device)
 
     def kv_bytes_per_slot(self, slot_len: int) -> int:
         """KV cache memory of one sequence of ``slot_len`` tokens over all layers (keys and values)."""
@@ -324,11 +327,11 @@ class LlamaModel(nn.Module):
 
         """
         num_rows, seq = input_ids.shape
-        positions = torch.arange(seq).expand(num_rows, seq)
+        positions = torch.arange(seq, device=input_ids.device).expand(num_rows, seq)
         x = self._run(input_ids, positions, cache, AttnBatch("prefill", first_slot=first_slot))
         if all_logits:
             return self._logits(x)
-        return self._logits(x[torch.arange(num_rows), lengths - 1])
+        return self._logits(x[torch.arange(num_rows, device=x.device), lengths.to(x.device) - 1])
 
     def decode(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """One token for each of the sequences in slots ``0..B-1``.
@@ -343,7 +346,7 @@ class LlamaModel(nn.Module):
 
         """
         end = int(positions.max()) + 1
-        key_mask = (torch.arange(end)[None, :] <= positions[:, None])[:, None, None]
+        key_mask = (torch.arange(end, device=positions.device)[None, :] <= positions[:, None])[:, None, None]
         batch = AttnBatch("decode", positions=positions, key_mask=key_mask, end=end)
         x = self._run(input_ids[:, None], positions[:, None], cache, batch)
         return self._logits(x[:, 0])

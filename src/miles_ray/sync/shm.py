@@ -35,13 +35,16 @@ import warnings
 import weakref
 from collections import deque
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import ray
 import torch
 import torch.multiprocessing
 
 from miles_ray.sync.buckets import SyncPlan
+
+if TYPE_CHECKING:
+    import ray
 
 
 def shared_empty(nbytes: int) -> torch.Tensor:
@@ -145,6 +148,8 @@ class BucketBuffers:
 
 def put_bucket(flat: torch.Tensor) -> ray.ObjectRef:
     """Put a flat CPU tensor into the object store as a zero-copy NumPy byte array."""
+    import ray  # here only: shared-memory sync between processes on one node needs no Ray
+
     return ray.put(flat.contiguous().view(torch.uint8).numpy())
 
 

@@ -339,3 +339,24 @@ def test_streamed_tokens_arrive_in_order_and_a_broken_reader_aborts_only_its_req
             zip(c.token_ids, c.logprobs)
         )
     assert all(c.finish_reason == "abort" and len(c.token_ids) <= 2 for c in gone.completions)
+
+
+def test_device_auto_is_the_cpu_here_and_cuda_without_one_is_refused(tiny_model_path, engine):
+    assert engine.device == torch.device("cpu")  # "auto" on a machine without CUDA
+    assert engine._cache.k[0].device == engine.device
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: device='cuda' is allowed")
+    with pytest.raises(ValueError, match="device='cuda' but this process sees no CUDA device"):
+        EmbeddedEngine(EmbeddedEngineConfig(model_path=tiny_model_path, device="cuda"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_engine_samples_what_the_cpu_engine_samples(tiny_model_path, engine):
+    """Same seeds on CUDA and CPU (the rows' generators stay on the CPU): same tokens, logprobs within fp32 noise."""
+    cuda = EmbeddedEngine(EmbeddedEngineConfig(model_path=tiny_model_path, device="cuda", max_seq_len=64))
+    params = SamplingParams(n=3, max_new_tokens=8, ignore_eos=True, seed=5)
+    [a], [b] = (e.generate([GenerateRequest([1, 2, 3], params)]) for e in (engine, cuda))
+    for x, y in zip(a.completions, b.completions):
+        assert x.token_ids == y.token_ids
+        torch.testing.assert_close(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-4, rtol=0)

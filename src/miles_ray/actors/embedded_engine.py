@@ -142,6 +142,7 @@ class EmbeddedEngineActor(EngineActorBase):
             "version": self.engine.weight_version(),
             "url": self.url,
             "node_ip": ray.util.get_node_ip_address(),
+            "node_id": ray.get_runtime_context().get_node_id(),
             "step_errors": self.loop.step_errors,
             **self.engine.stats(),
         }

@@ -62,7 +62,7 @@ class EngineInterface(Protocol):
         ...
 
     async def health(self) -> dict:
-        """Liveness and load: ``engine_id``, ``outstanding``, ``version``, ``url``, ``node_ip`` (and more load)."""
+        """Liveness and load: ``engine_id``, ``outstanding``, ``version``, ``url``, ``node_ip``, ``node_id``, ...."""
         ...
 
     async def release_memory(self) -> bool:

@@ -73,6 +73,7 @@ class ServerEngineActor(EngineActorBase):
             "version": self._version,
             "url": self.url,
             "node_ip": ray.util.get_node_ip_address(),
+            "node_id": ray.get_runtime_context().get_node_id(),
             "kind": self.kind,
         }
 

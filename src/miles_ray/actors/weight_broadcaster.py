@@ -209,8 +209,9 @@ class WeightBroadcaster:
 
         """
         if self._same_node is None:  # which engines can map rank 0's shared memory (asked once per engine set)
-            trainer_ip, _ = ray.get(self._workers[0].address.remote())
-            self._same_node = [h["node_ip"] == trainer_ip for h in ray.get([e.health.remote() for e in self._engines])]
+            # by Ray node, not IP: simulated nodes share one; a node is what a placement and a failure are about
+            trainer = ray.get(self._workers[0].node_id.remote())
+            self._same_node = [h["node_id"] == trainer for h in ray.get([e.health.remote() for e in self._engines])]
         start = time.perf_counter()
         c = self.config
         hash_full = c.verify and "full" in self._kinds  # SGLang engines alone compare probe rows only

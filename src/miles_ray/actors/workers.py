@@ -69,6 +69,10 @@ class Worker:
         """Node IP and a free port, for rendezvous hosted by this rank."""
         return ray.util.get_node_ip_address(), _free_port()
 
+    def node_id(self) -> str:
+        """The Ray node this rank runs on (two Ray nodes may share one host and IP)."""
+        return ray.get_runtime_context().get_node_id()
+
     def init(self, master_addr: str, master_port: int) -> None:
         """Join the group's process group, seed torch, build the backend."""
         import torch.distributed as dist

@@ -47,8 +47,8 @@ class HttpServerConfig(StrictConfig):
     max_waiting_requests: int = Field(
         1024,
         ge=1,
-        description="HTTP generation requests are refused (503, Retry-After) while the engine already has this many "
-        "waiting for a slot; Ray callers (the Router) are not counted against it.",
+        description="New HTTP generation requests are refused (503, Retry-After) while this many requests (HTTP or "
+        "Ray) already wait for a slot; Ray callers (the Router) are never refused.",
     )
     tool_call_parser: str = Field(
         "hermes",

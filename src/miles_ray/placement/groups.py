@@ -1,8 +1,8 @@
 """Carry out a ``PlacementPlan``: create the Ray placement group and map plan bundles to real bundles.
 
 Ray does not promise that bundle i sits on node/device i, so a probe task in each bundle reports its
-node IP and GPU ids, and plan bundle k is mapped, among bundles of the same shape, to the real ones in
-(node IP, GPU id) order, the ordering Miles uses so that trainer ranks fill devices in order.
+node IP, node id and GPU ids, and plan bundle k is mapped, among bundles of the same shape, to the real ones in
+(node IP, node id, GPU id) order, the ordering Miles uses so that trainer ranks fill devices in order.
 """
 
 from __future__ import annotations
@@ -69,8 +69,9 @@ class Placement:
 
 
 @ray.remote(num_cpus=0)
-def _probe() -> tuple[str, tuple[int, ...]]:
-    return ray.util.get_node_ip_address(), tuple(int(g) for g in ray.get_gpu_ids())
+def _probe() -> tuple[str, str, tuple[int, ...]]:
+    context = ray.get_runtime_context()
+    return ray.util.get_node_ip_address(), context.get_node_id(), tuple(int(g) for g in ray.get_gpu_ids())
 
 
 def create(plan: PlacementPlan, timeout_s: float = 120.0) -> Placement:
@@ -101,6 +102,6 @@ def create(plan: PlacementPlan, timeout_s: float = 120.0) -> Placement:
     order = list(range(len(plan.bundles)))
     for shape in {tuple(sorted(b.items())) for b in plan.bundles}:
         members = [i for i, b in enumerate(plan.bundles) if tuple(sorted(b.items())) == shape]
-        for plan_idx, real_idx in zip(members, sorted(members, key=lambda i: (infos[i][0], infos[i][1], i))):
+        for plan_idx, real_idx in zip(members, sorted(members, key=lambda i: (*infos[i], i))):
             order[plan_idx] = real_idx
     return Placement(plan, pg, tuple(order))

@@ -16,6 +16,7 @@ train_loss, train_grad_norm        gauge      TrainerGroup
 reward_mean                        gauge      TrainerGroup (the batch's rewards, after shaping)
 weight_sync_seconds                histogram  WeightBroadcaster
 weight_sync_bytes_total            counter    WeightBroadcaster
+engine_weight_version              gauge      WeightBroadcaster (``engine`` tag: the verified version it holds)
 buffer_groups                      gauge      ReplayBuffer
 buffer_staleness_mean/max          gauge      ReplayBuffer (of the last batch taken)
 buffer_dropped_stale_total         counter    ReplayBuffer

@@ -23,6 +23,7 @@ from typing import Any
 
 import ray
 from pydantic import Field, model_validator
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from miles_ray.actors.critic_group import CriticGroup, CriticGroupConfig
 from miles_ray.actors.reference import ReferenceGroup, ReferenceGroupConfig
@@ -108,7 +109,13 @@ def build_stack(config: StackConfig, placement: Placement) -> Stack:
 
     """
     _check_slots(config, placement)
-    name = (lambda role: {"name": f"{config.name_prefix}/{role}"}) if config.name_prefix else (lambda role: {})
+    # the control actors (no resources) run on the driver's node: a lost worker node takes its ranks and engines, which
+    # the pool and the trainer group can replace, never the pool, router or buffer themselves
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+
+    def name(role: str) -> dict:
+        return {"scheduling_strategy": here, **({"name": f"{config.name_prefix}/{role}"} if config.name_prefix else {})}
+
     critic = reference = None
     if config.critic is not None:
         critic = CriticGroup.options(**name("critic")).remote(config.critic, placement)

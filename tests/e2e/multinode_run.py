@@ -1,25 +1,35 @@
-"""GRPO across Ray nodes (#22), on a cluster of three simulated nodes on this machine (``ray.cluster_utils.Cluster``).
+"""GRPO across Ray nodes (#22), then the loss of a node, on four simulated nodes (``ray.cluster_utils.Cluster``).
 
-A disaggregated plan spread one bundle per node (``STRICT_SPREAD``): the trainer rank on one node, an engine on
-each of the two others. Checked where every actor really runs (Ray node ids), two GRPO steps with verified
-broadcast syncs between nodes, the Router spreading requests over both nodes' engines, a ``shared_memory``
-broadcaster falling back to object-store copies for engines on other nodes (and verifying), and a run checkpoint
-written and read back across nodes. Runs in its own process (its own Ray cluster):
+The head (the driver's node, no rack) and three worker nodes: ``a1`` in rack a, two in rack b. ``placement.on_nodes``
+plans on the racked nodes' inventory (``cluster_nodes``) with one spare: the trainer rank and engine 0 on rack a,
+engine 1 on rack b, the other rack-b node held back. Checked where every actor really runs (Ray node ids) and
+what the dashboard calls each (its repr), two
+GRPO steps with verified broadcast syncs between nodes, the Router using both nodes' engines, a ``shared_memory``
+broadcaster (same node: shared memory; other node: object store; both verified), a run checkpoint round-trip.
+Then engine 1's node is removed with a rollout in flight: every prompt comes back exactly once, and
+``heal_engines`` starts engine 1 again on the spare node with the current weights (checksum verified), and it
+serves. Runs in its own process (its own Ray cluster):
 
     python tests/e2e/multinode_run.py MODEL_DIR CHECKPOINT_DIR     # prints one JSON line
 """
 
 import json
 import sys
+import threading
+import time
 
 import ray
-from helpers import grpo_in_step
+from helpers import ShortResponseTask, grpo_in_step, trainer_checksum
 from ray.cluster_utils import Cluster
+from ray.util.state import list_actors
+from transformers import AutoTokenizer
 
 from miles_ray import placement
 from miles_ray.actors import WeightBroadcaster, WeightBroadcasterConfig
 from miles_ray.checkpoint import RunCheckpointer
 from miles_ray.engines.requests import GenerateRequest, SamplingParams
+from miles_ray.fault import heal_engines
+from miles_ray.rollout import generate_groups
 from miles_ray.stack import StackConfig, build_stack
 
 
@@ -27,44 +37,103 @@ def _node(actor) -> str:
     return ray.get(actor.__ray_call__.remote(lambda _: ray.get_runtime_context().get_node_id()))
 
 
-def main(model_path: str, checkpoint_dir: str) -> dict:
+def _cluster() -> tuple[Cluster, dict]:
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
-    for rack in ("a", "b"):  # fractional CPUs: three nodes' worth of actors on a 2-core machine
-        cluster.add_node(num_cpus=2, labels={"rack": rack})
+    workers = {}
+    for name, rack in (("a1", "a"), ("b1", "b"), ("b2", "b")):  # fractional CPUs: four nodes on a 2-core machine
+        workers[name] = cluster.add_node(num_cpus=2, labels={"rack": rack})
+    return cluster, workers
+
+
+def main(model_path: str, checkpoint_dir: str) -> dict:
+    cluster, workers = _cluster()
     ray.init(address=cluster.address, log_to_driver=False)
     try:
-        pl = placement.create(placement.disaggregated(1, 2, cpus_per_bundle=1, strategy="STRICT_SPREAD"))
+        inventory = [n for n in placement.cluster_nodes() if n.rack != "unlabelled"]  # the head runs the driver
+        plan = placement.on_nodes(inventory, "disaggregated", 1, 2, spare_nodes=1, gpus=False)
+        router = {"policy": "round_robin", "health_interval_s": 0.2, "max_health_failures": 1}
         config = StackConfig(
             trainer={"model_path": model_path, "optimizer": {"lr": 1e-2}},
-            pool={"num_engines": 2, "engine": {"model_path": model_path, "max_seq_len": 128}},
+            pool={"num_engines": 2, "engine": {"model_path": model_path, "max_seq_len": 160}},
+            router=router,
         )
-        stack = build_stack(config, pl)
-        [worker] = ray.get(stack.trainer.workers.remote())
-        engines = list(stack.engines)
-        nodes = {"trainer": _node(worker), "engines": [ray.get(e.health.remote())["node_id"] for e in engines]}
-        ray.get(stack.broadcaster.sync.remote(ray.get(stack.trainer.weight_version.remote())))
-        checksums = grpo_in_step(stack.trainer, stack.router, stack.broadcaster, model_path, steps=2)
-        params = SamplingParams(max_new_tokens=4, ignore_eos=True)
-        outs = ray.get([stack.router.generate.remote(GenerateRequest([1, 2, 3 + i], params)) for i in range(16)])
-        shared = WeightBroadcaster.remote(WeightBroadcasterConfig(transport="shared_memory"), [worker], engines)
-        version = ray.get(stack.trainer.weight_version.remote())
-        report = ray.get(shared.sync.remote(version))
-        ckpt = RunCheckpointer(checkpoint_dir)
-        saved = ckpt.save(3, stack.trainer)
-        loaded = ckpt.load(saved, stack.trainer, restore_driver_rng=False)
-        return {
-            "nodes": nodes,
-            "alive_nodes": len([n for n in ray.nodes() if n["Alive"]]),
-            "sync_checksums": checksums,
-            "engines_used": sorted({o.engine_id for o in outs}),
-            "shared_memory_sync": {k: report[k] for k in ("version", "checksum", "bytes")},
-            "engine_versions": [ray.get(e.health.remote())["version"] for e in engines],
-            "checkpoint_step": loaded["step"],
-            "weight_version": version,
-        }
+        stack = build_stack(config, placement.create(plan))
+        out = {"racks": {n.node_id: n.rack for n in inventory}, "spare": plan.spare_nodes[0]}
+        out["planned"] = {"trainer": plan.bundle_nodes[0], "engines": list(plan.bundle_nodes[1:])}
+        out["driver"] = ray.get_runtime_context().get_node_id()
+        out["control"] = {role: _node(a) for role, a in stack.actors().items() if role in ("pool", "router", "buffer")}
+        out.update(_across_nodes(stack, model_path, checkpoint_dir))
+        node_of = {w.node_id: w for w in workers.values()}
+        out.update(_lose_engine_node(stack, cluster, node_of[out["nodes"]["engines"][1]], model_path))
+        return out
     finally:
         ray.shutdown()
         cluster.shutdown()
+
+
+def _across_nodes(stack, model_path: str, checkpoint_dir: str) -> dict:
+    [worker] = ray.get(stack.trainer.workers.remote())
+    engines = list(stack.engines)
+    nodes = {"trainer": _node(worker), "engines": [ray.get(e.health.remote())["node_id"] for e in engines]}
+    reprs = sorted(a.repr_name for a in list_actors(filters=[("state", "=", "ALIVE")], detail=True) if a.repr_name)
+    ray.get(stack.broadcaster.sync.remote(ray.get(stack.trainer.weight_version.remote())))
+    checksums = grpo_in_step(stack.trainer, stack.router, stack.broadcaster, model_path, steps=2)
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    outs = ray.get([stack.router.generate.remote(GenerateRequest([1, 2, 3 + i], params)) for i in range(16)])
+    shared = WeightBroadcaster.remote(WeightBroadcasterConfig(transport="shared_memory"), [worker], engines)
+    version = ray.get(stack.trainer.weight_version.remote())
+    report = ray.get(shared.sync.remote(version))
+    ray.kill(shared)
+    ckpt = RunCheckpointer(checkpoint_dir)
+    loaded = ckpt.load(ckpt.save(3, stack.trainer), stack.trainer, restore_driver_rng=False)
+    return {
+        "nodes": nodes,
+        "actor_reprs": reprs,
+        "sync_checksums": checksums,
+        "engines_used": sorted({o.engine_id for o in outs}),
+        "shared_memory_sync": {k: report[k] for k in ("version", "checksum", "bytes")},
+        "engine_versions": [ray.get(e.health.remote())["version"] for e in engines],
+        "checkpoint_step": loaded["step"],
+        "weight_version": version,
+    }
+
+
+def _lose_engine_node(stack, cluster: Cluster, node, model_path: str) -> dict:
+    """Remove engine 1's node while a rollout is in flight on it; heal onto the spare node."""
+    task = ShortResponseTask(AutoTokenizer.from_pretrained(model_path))
+    params = SamplingParams(n=4, max_new_tokens=96, ignore_eos=True)
+    groups: list = []
+    rollout = threading.Thread(target=lambda: groups.extend(generate_groups(stack.router, task, params, 12)))
+    rollout.start()
+    deadline = time.time() + 60
+    while ray.get(stack.router.stats.remote())["outstanding"][1] == 0:  # requests in flight on engine 1
+        if time.time() > deadline:
+            raise TimeoutError("no request reached engine 1")
+        time.sleep(0.01)
+    cluster.remove_node(node, allow_graceful=False)
+    rollout.join(timeout=300)
+    # Ray declares the node dead after missed health checks (~15 s); healing before that would start the engine
+    # again on the dying node's bundle, so wait for it, as a driver reacting to Ray's node events would
+    deadline = time.time() + 120
+    while any(n["NodeID"] == node.node_id and n["Alive"] for n in ray.nodes()):
+        if time.time() > deadline:
+            raise TimeoutError(f"Ray still reports node {node.node_id} alive")
+        time.sleep(0.5)
+    stats = ray.get(stack.router.stats.remote())
+    version = ray.get(stack.trainer.weight_version.remote())
+    healed = heal_engines(stack.pool, stack.broadcaster, stack.router, version=version)
+    new = ray.get(stack.pool.engines.remote())[1]
+    outs = ray.get([stack.router.generate.remote(GenerateRequest([5, 6, 7 + i], SamplingParams())) for i in range(8)])
+    return {
+        "rollout_group_ids": sorted(g.group_id for g in groups),
+        "rollout_samples": sum(g.num_samples for g in groups),
+        "evicted": stats["evicted"],
+        "healed": healed,
+        "healed_node": ray.get(new.health.remote())["node_id"],
+        "healed_checksum_matches": ray.get(new.weights_checksum.remote()) == trainer_checksum(stack.trainer),
+        "engines_after_heal": sorted({o.engine_id for o in outs}),
+        "versions_after_heal": sorted({o.weight_version for o in outs}),
+    }
 
 
 if __name__ == "__main__":

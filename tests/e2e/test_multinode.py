@@ -1,5 +1,5 @@
-"""Across Ray nodes (#22): a cluster of three simulated nodes on this machine, run in its own process
-(``multinode_run.py``: its own Ray cluster, apart from the session's one-node cluster)."""
+"""Across Ray nodes (#22): four simulated nodes on this machine, two racks, one spare node; then a node is lost.
+Runs in its own process (``multinode_run.py``: its own Ray cluster, apart from the session's one-node cluster)."""
 
 import json
 import os
@@ -13,20 +13,44 @@ pytestmark = pytest.mark.e2e
 SCRIPT = Path(__file__).with_name("multinode_run.py")
 
 
-def test_grpo_sync_routing_and_checkpoints_across_nodes(tiny_model_path, tmp_path):
-    """Trainer and engines on three different nodes (checked by node id, not only the plan): verified GRPO syncs
-    between nodes, both nodes' engines serve, a shared-memory broadcaster reaches engines on other nodes through
-    the object store with the same checksum as the broadcast, and a run checkpoint round-trips."""
+@pytest.fixture(scope="module")
+def run(tiny_model_path, tmp_path_factory) -> dict:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SCRIPT.parent), os.environ.get("PYTHONPATH", "")])}
-    cmd = [sys.executable, str(SCRIPT), tiny_model_path, str(tmp_path / "ckpt")]
+    cmd = [sys.executable, str(SCRIPT), tiny_model_path, str(tmp_path_factory.mktemp("multinode") / "ckpt")]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
-    nodes = [out["nodes"]["trainer"], *out["nodes"]["engines"]]
-    assert len(set(nodes)) == 3 and out["alive_nodes"] == 3  # one role per node, as STRICT_SPREAD asked
-    first, second = out["sync_checksums"]
-    assert first != second  # each step's weights reached the other nodes' engines (verified there)
-    assert out["engines_used"] == [0, 1]  # the Router sent requests to both nodes
-    shared = out["shared_memory_sync"]
-    assert shared["version"] == out["weight_version"] == 2 and shared["checksum"] == second and shared["bytes"] > 0
-    assert out["engine_versions"] == [2, 2] and out["checkpoint_step"] == 3
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_actors_run_where_the_rack_aware_plan_put_them(run):
+    """The trainer and engine 0 share the rack-a node, engine 1 is on rack b, the other rack-b node is the spare:
+    checked against the node each actor reports, not only the plan."""
+    racks, nodes = run["racks"], run["nodes"]
+    assert nodes == run["planned"]
+    assert racks[nodes["trainer"]] == racks[nodes["engines"][0]] == "a" and racks[nodes["engines"][1]] == "b"
+    assert racks[run["spare"]] == "b" and run["spare"] not in [nodes["trainer"], *nodes["engines"]]
+    assert set(run["control"].values()) == {run["driver"]}  # pool, router, buffer beside the driver, on no rack
+    # the dashboard's Actors tab tells the engines and ranks apart (their repr)
+    for name in ("EmbeddedEngineActor(engine_id=0", "EmbeddedEngineActor(engine_id=1", "TrainerWorker(rank=0"):
+        assert any(r.startswith(name) for r in run["actor_reprs"]), (name, run["actor_reprs"])
+
+
+def test_grpo_sync_routing_and_checkpoints_across_nodes(run):
+    """Verified GRPO syncs reach the other node's engine, the Router uses both nodes, a shared-memory broadcaster
+    serves the same-node engine through shared memory and the other through the object store (same checksum as
+    the broadcast), and a run checkpoint round-trips."""
+    first, second = run["sync_checksums"]
+    assert first != second  # each step's weights reached both engines (verified there)
+    assert run["engines_used"] == [0, 1]
+    shared = run["shared_memory_sync"]
+    assert shared["version"] == run["weight_version"] == 2 and shared["checksum"] == second and shared["bytes"] > 0
+    assert run["engine_versions"] == [2, 2] and run["checkpoint_step"] == 3
+
+
+def test_a_lost_engine_node_loses_no_prompt_and_its_engine_returns_on_the_spare(run):
+    """cluster.remove_node under a rollout: every prompt once, engine 1 evicted, then started on the spare node
+    with the trainer's weights (checksum), and both engines serve the current version."""
+    assert run["rollout_group_ids"] == list(range(1, 13)) and run["rollout_samples"] == 48
+    assert run["evicted"] == [1] and run["healed"] == [1]
+    assert run["healed_node"] == run["spare"] and run["healed_checksum_matches"]
+    assert run["engines_after_heal"] == [0, 1] and run["versions_after_heal"] == [2]

@@ -16,7 +16,7 @@ SRC = Path(miles_ray.__file__).resolve().parent
 # Layers, bottom first: a module may import its own layer and the ones below, never one above.
 LAYERS = [
     {"types", "config", "callables", "contracts", "deprecation", "devices", "metrics", "algo", "sync", "placement"}
-    | {"state_codec", "keys", "lazy"},
+    | {"state_codec", "keys", "lazy", "grafana"},
     {"models", "rewards", "data", "trackers"},
     {"engines", "backends", "hooks", "rollout", "multiturn", "evaluation"},
     {"actors"},

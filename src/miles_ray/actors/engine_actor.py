@@ -161,6 +161,11 @@ class EngineActorBase:
     _sync_group = None
     _receive_buffers: BucketBuffers | None = None  # where broadcast buckets land, two sets alternating
 
+    def __repr__(self) -> str:
+        # Ray shows an actor's repr in the dashboard's Actors tab and its log prefix, taken once after __init__:
+        # what the engine is (its weight version changes; see the engine_weight_version metric)
+        return f"{type(self).__name__}(engine_id={self.engine_id}, kind={self.kind})"
+
     # --- control ------------------------------------------------------------------------------------------------
     async def pause(self, mode: PauseMode = "abort") -> None:
         """Pause generation: ``abort`` running requests (their callers get what was generated), or ``in_place``."""

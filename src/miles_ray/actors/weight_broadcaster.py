@@ -197,6 +197,7 @@ class WeightBroadcaster:
 
         mx.seconds_histogram("weight_sync_seconds", "Seconds per weight sync").observe(self._last["seconds"])
         mx.counter("weight_sync_bytes_total", "Bytes sent per engine by weight syncs").inc(total)
+        _record_versions(range(len(self._engines)), version)
         return dict(self._last)
 
     def _push_shared(self, version: int) -> tuple[float, dict | None, list]:
@@ -288,6 +289,7 @@ class WeightBroadcaster:
         _, sent_checksum, loaded = self._push_through_store([engine], kinds, version)
         self._check([engine], kinds, loaded, version, sent_checksum)
         seconds = time.perf_counter() - start
+        _record_versions([engine_id], version)
         return {"engine_id": engine_id, "version": version, "seconds": seconds, "checksum": loaded[0]["checksum"]}
 
     def set_trainer_workers(self, trainer_workers: list) -> None:
@@ -305,3 +307,12 @@ class WeightBroadcaster:
     def last_report(self) -> dict:
         """The report of the most recent sync."""
         return dict(self._last)
+
+
+def _record_versions(engine_ids, version: int) -> None:
+    """The verified weight version each engine holds, as a gauge per engine (the dashboard's metrics)."""
+    from miles_ray import metrics as mx
+
+    gauge = mx.gauge("engine_weight_version", "Weight version each engine holds (verified)", ("engine",))
+    for engine_id in engine_ids:
+        gauge.set(version, tags={"engine": str(engine_id)})

@@ -65,6 +65,10 @@ class Worker:
         self.config = config
         self.backend = None
 
+    def __repr__(self) -> str:
+        # the dashboard's Actors tab and log prefixes show it (Ray takes it once, after __init__)
+        return f"{type(self).__name__}(rank={self.rank}, world_size={self.world_size})"
+
     def address(self) -> tuple[str, int]:
         """Node IP and a free port, for rendezvous hosted by this rank."""
         return ray.util.get_node_ip_address(), _free_port()

@@ -62,8 +62,7 @@ def resolved_device(device: str) -> torch.device:
 
 
 def resolved_dtype(dtype: str, device: torch.device | None = None) -> torch.dtype:
-    """An engine dtype name as a torch dtype; ``auto``: bfloat16 where ``device`` (the CPU by default) computes it
-    natively."""
+    """An engine dtype name as a torch dtype; ``auto``: bfloat16 where ``device`` (default CPU) computes it natively."""
     if dtype == "auto":
         return torch.bfloat16 if native_bf16(device or torch.device("cpu")) else torch.float32
     return _DTYPES[dtype]

@@ -124,10 +124,10 @@ def tiny_llama_dir(
 
 
 def _random_model_dir(name: str, seed: int, build, tokenizer: str | Path | None = None) -> Path:
-    """Cache dir ``name`` holding ``build(common)``'s model, initialised under ``seed``, with SmolLM2's tokenizer
-    (from the directory ``tokenizer``, else the installed SmolLM2).
+    """Cache dir ``name`` holding ``build(common)``'s model, initialised under ``seed``, with SmolLM2's tokenizer.
 
-    ``common`` holds the config fields every tiny model shares (the tokenizer's vocabulary and special tokens).
+    The tokenizer comes from the directory ``tokenizer``, else from the installed SmolLM2. ``common`` holds the
+    config fields every tiny model shares (the tokenizer's vocabulary and special tokens).
     """
 
     def write(tmp: Path) -> None:

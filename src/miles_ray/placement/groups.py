@@ -7,28 +7,58 @@ node IP, node id and GPU ids, and plan bundle k is mapped, among bundles of the 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import ray
-from ray.util.placement_group import PlacementGroup, placement_group
+from ray.util.placement_group import NODE_ID_LABEL_KEY, PlacementGroup, placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from miles_ray.placement.nodes import Node
 from miles_ray.placement.plan import PlacementPlan, Slot
 
 
 @dataclass(frozen=True)
 class Placement:
-    """A ready placement group and the real bundle index for every plan bundle."""
+    """A ready placement group and the real bundle index for every plan bundle.
+
+    A plan pinned to nodes (``nodes.on_nodes``) keeps working when a node is lost: an actor started again on a
+    bundle of that node goes to a spare node instead (``moved``: plan bundle -> a one-bundle group there; bundles of
+    one lost node go to the same spare while it has room, so a model-parallel group stays inside a node).
+    """
 
     plan: PlacementPlan
     pg: PlacementGroup
     bundle_order: tuple[int, ...]
+    moved: dict[int, tuple[PlacementGroup, str]] = field(default_factory=dict, compare=False)
 
     def strategy(self, slot: Slot) -> PlacementGroupSchedulingStrategy:
-        """Ray scheduling strategy that pins an actor to ``slot``'s bundle."""
+        """Ray scheduling strategy that pins an actor to ``slot``'s bundle (on a spare node if its node is lost)."""
+        moved = self._relocated(slot.bundle)
+        if moved is not None:
+            return PlacementGroupSchedulingStrategy(placement_group=moved, placement_group_bundle_index=0)
         return PlacementGroupSchedulingStrategy(
             placement_group=self.pg, placement_group_bundle_index=self.bundle_order[slot.bundle]
         )
+
+    def node_of(self, bundle: int) -> str | None:
+        """The node a pinned plan bundle runs on now (its spare once moved); None for a plan Ray places."""
+        if bundle in self.moved:
+            return self.moved[bundle][1]
+        return self.plan.bundle_nodes[bundle] if self.plan.bundle_nodes else None
+
+    def _relocated(self, bundle: int) -> PlacementGroup | None:
+        """The group on a spare node for ``bundle`` if its node is lost (made on first need), else None."""
+        node = self.node_of(bundle)
+        if node is None:
+            return None
+        alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+        if node in alive:
+            return self.moved[bundle][0] if bundle in self.moved else None
+        lost = self.plan.bundle_nodes[bundle]
+        siblings = [spare for b, (_, spare) in self.moved.items() if self.plan.bundle_nodes[b] == lost]
+        candidates = list(dict.fromkeys(s for s in [*siblings, *self.plan.spare_nodes] if s in alive))
+        self.moved[bundle] = _on_spare(self.plan.bundles[bundle], candidates, f"node {node} of bundle {bundle}")
+        return self.moved[bundle][0]
 
     def options(self, slot: Slot) -> dict:
         """``actor_cls.options(**placement.options(slot))`` keyword arguments."""
@@ -68,6 +98,24 @@ class Placement:
         return ray.remote(cls).options(**self.options(slots[index]), **options).remote(*args)
 
 
+def _on_spare(shape: dict[str, float], candidates: list[str], what: str, timeout_s: float = 30.0):
+    """A one-bundle group of ``shape`` on the first of ``candidates`` (spare node ids) with room, and its node.
+
+    Raises:
+        RuntimeError: if no spare node is left or none has room (each was tried for ``timeout_s``).
+
+    """
+    for node in candidates:
+        pg = placement_group([shape], bundle_label_selector=[{NODE_ID_LABEL_KEY: node}])
+        if ray.wait([pg.ready()], timeout=timeout_s)[0]:
+            return pg, node
+        ray.util.remove_placement_group(pg)
+    raise RuntimeError(
+        f"{what} is gone and no spare node can take it (alive spares tried: {candidates or 'none'}); plan with "
+        "more spare_nodes, or add a node and create a new placement"
+    )
+
+
 @ray.remote(num_cpus=0)
 def _probe() -> tuple[str, str, tuple[int, ...]]:
     context = ray.get_runtime_context()
@@ -81,7 +129,9 @@ def create(plan: PlacementPlan, timeout_s: float = 120.0) -> Placement:
         TimeoutError: if the cluster cannot fit the bundles in time (the error lists them).
 
     """
-    pg = placement_group(list(plan.bundles), strategy=plan.strategy)
+    # a pinned bundle goes to its node (every Ray node carries its id as a label), whatever the strategy says
+    pins = [{NODE_ID_LABEL_KEY: node} for node in plan.bundle_nodes] or None
+    pg = placement_group(list(plan.bundles), strategy=plan.strategy, bundle_label_selector=pins)
     ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
     if not ready:
         ray.util.remove_placement_group(pg)
@@ -98,10 +148,39 @@ def create(plan: PlacementPlan, timeout_s: float = 120.0) -> Placement:
             for i in range(len(plan.bundles))
         ]
     )
-    # bundles of one shape are interchangeable: within each shape, plan order follows (node, device)
+    return Placement(plan, pg, _bundle_order(plan, infos))
+
+
+def _bundle_order(plan: PlacementPlan, infos: list[tuple[str, str, tuple[int, ...]]]) -> tuple[int, ...]:
+    """Plan bundle -> real bundle, for ``Placement.bundle_order``.
+
+    Bundles of one shape (and, when pinned, one node) are interchangeable; within such a set, plan order follows
+    (node IP, node id, device).
+    """
+
+    def kind(i: int) -> tuple:
+        return (tuple(sorted(plan.bundles[i].items())), plan.bundle_nodes[i] if plan.bundle_nodes else None)
+
     order = list(range(len(plan.bundles)))
-    for shape in {tuple(sorted(b.items())) for b in plan.bundles}:
-        members = [i for i, b in enumerate(plan.bundles) if tuple(sorted(b.items())) == shape]
+    for k in {kind(i) for i in order}:
+        members = [i for i in range(len(order)) if kind(i) == k]
         for plan_idx, real_idx in zip(members, sorted(members, key=lambda i: (*infos[i], i))):
             order[plan_idx] = real_idx
-    return Placement(plan, pg, tuple(order))
+    return tuple(order)
+
+
+def cluster_nodes(rack_label: str = "rack", cpus_per_device: float = 1.0) -> list[Node]:
+    """The running cluster's alive nodes as ``on_nodes``'s inventory.
+
+    A node's rack is its ``rack_label`` label (``ray start --labels rack=r1``; "unlabelled" without one); its
+    devices are its GPUs, or on a node without GPUs its CPUs // ``cpus_per_device``.
+    """
+    nodes = []
+    for n in ray.nodes():
+        if not n["Alive"]:
+            continue
+        resources = n["Resources"]
+        gpus = int(resources.get("GPU", 0))
+        devices = gpus or int(resources.get("CPU", 0) // cpus_per_device)
+        nodes.append(Node(n["NodeID"], n.get("Labels", {}).get(rack_label, "unlabelled"), devices))
+    return nodes

@@ -5,7 +5,8 @@ roll out); ``disaggregated(t, e)`` gives trainers and engines bundles of their o
 separate reference model are roles too: ``colocated(n, critic=True, reference=True)`` adds them to the
 same bundles, ``disaggregated(..., num_critic_ranks=c, num_reference_ranks=k)`` gives them their own. A plan is a frozen
 ``PlacementPlan``; ``miles_ray.placement.groups.create`` turns it into a Ray placement group and orders
-its bundles by node, then device, so rank i lands on a predictable device.
+its bundles by node, then device, so rank i lands on a predictable device. ``nodes.on_nodes`` plans on a known
+inventory of nodes and racks instead (bundles pinned to nodes, model-parallel groups inside a node, spare nodes).
 
 Usage::
 
@@ -39,6 +40,15 @@ class PlacementPlan:
     strategy: str = "PACK"
     critic_slots: tuple[Slot, ...] = ()
     reference_slots: tuple[Slot, ...] = ()
+    # on_nodes plans: the Ray node id each bundle is pinned to (empty: Ray chooses), and the nodes held back
+    bundle_nodes: tuple[str, ...] = ()
+    spare_nodes: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        if self.bundle_nodes and len(self.bundle_nodes) != len(self.bundles):
+            raise ValueError(f"bundle_nodes has {len(self.bundle_nodes)} entries for {len(self.bundles)} bundles")
+        if set(self.bundle_nodes) & set(self.spare_nodes):
+            raise ValueError("a spare node may hold no bundle")
 
     def slots(self, role: Role) -> tuple[Slot, ...]:
         """The slots of one role.

@@ -7,6 +7,8 @@ evicted a dead engine and retried its in-flight requests elsewhere, so no prompt
 2. ``WeightBroadcaster.replace_engine`` loads the trainer's current weights into it and verifies them;
 3. ``Router.add_engine`` routes to it again, under the same engine id.
 
+``grow_pool`` starts one more engine on a chosen node (one added back after a loss) the same way.
+
 Trainer ranks: a dead rank breaks the group's collectives, so ``restart_trainer`` rebuilds every rank from
 a checkpoint (``TrainerGroup.restart``) and points the broadcaster at the new ranks; the driver rolls the
 rest of the run back to the same checkpoint (``miles_ray.checkpoint.RunCheckpointer.load``).
@@ -38,6 +40,21 @@ def heal_engines(pool, broadcaster, router, version: int) -> list[int]:
         ray.get(broadcaster.replace_engine.remote(engine_id, engine, version))
         ray.get(router.add_engine.remote(engine, engine_id))
     return sorted(new)
+
+
+def grow_pool(pool, broadcaster, router, node_id: str, version: int) -> int:
+    """Start one more engine on node ``node_id`` (a node added back to the cluster), give it weight ``version``, route.
+
+    Call it between weight syncs, with the trainer's current version.
+
+    Returns:
+        The new engine's id.
+
+    """
+    engine_id, engine = ray.get(pool.add_engine.remote(node_id))
+    ray.get(broadcaster.add_engine.remote(engine, version))
+    ray.get(router.add_engine.remote(engine, engine_id))
+    return engine_id
 
 
 def restart_trainer(trainer, broadcaster, path: str | None = None) -> int:

@@ -69,6 +69,13 @@ ROWS = [
                                            "dropped per second")]),
         ("Driver step phases", "s", [("max by (phase) (ray_miles_ray_driver_phase_seconds)", "{{phase}}")]),
     ]),
+    ("Health", [
+        ("Healthy actors (1 = answers)", "none", [("min by (actor) (ray_miles_ray_actor_healthy)", "{{actor}}")]),
+        ("Replacements and check rounds", "none", [
+            ("sum by (role) (ray_miles_ray_health_replacements_total)", "{{role}} replaced"),
+            (f"sum(rate(ray_miles_ray_health_rounds_total{_RATE}))", "rounds per second"),
+        ]),
+    ]),
 ]  # fmt: skip
 
 

@@ -24,6 +24,9 @@ router_outstanding                 gauge      Router (``engine`` tag: the engine
 router_retries_total               counter    Router
 engine_generated_tokens_total      counter    EmbeddedEngineActor (``engine`` tag: rollout throughput)
 rollout_samples_total              counter    AsyncRollout
+actor_healthy                      gauge      HealthMonitor (``actor`` tag: 1 answers its health check, 0 not)
+health_replacements_total          counter    HealthMonitor (``role`` tag: engines replaced)
+health_rounds_total                counter    HealthMonitor
 driver_phase_seconds               gauge      ``record_phases`` from a driver (``phase`` tag)
 =================================  =========  ====================================================
 

@@ -18,7 +18,7 @@ Usage::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import ray
@@ -33,6 +33,7 @@ from miles_ray.actors.router import Router, RouterConfig
 from miles_ray.actors.trainer_group import TrainerGroup, TrainerGroupConfig
 from miles_ray.actors.weight_broadcaster import WeightBroadcaster, WeightBroadcasterConfig
 from miles_ray.config import StrictConfig
+from miles_ray.health import HealthMonitor, HealthMonitorConfig
 from miles_ray.placement.groups import Placement
 
 
@@ -52,14 +53,28 @@ class StackConfig(StrictConfig):
     reference: ReferenceGroupConfig | None = Field(
         None, description="The KL reference as ranks of its own (needs trainer.kl); None keeps it on the trainer ranks."
     )
+    health: HealthMonitorConfig | None = Field(
+        None,
+        description="Start a HealthMonitor: every actor checked each interval_s, failed engines replaced with the "
+        "current weights; None: none (the Router still evicts dead engines, fault.heal_engines replaces them).",
+    )
     name_prefix: str | None = Field(
         None,
         description="Name every actor '<prefix>/<role>' (trainer, rollout_pool, router, replay_buffer, "
-        "weight_broadcaster, critic, reference) so a notebook reaches it with ray.get_actor; None: unnamed.",
+        "weight_broadcaster, critic, reference, health_monitor) so a notebook reaches it with ray.get_actor; None: "
+        "unnamed.",
+    )
+
+    detached: bool = Field(
+        False,
+        description="Start the named actors detached: they outlive the driver (a notebook that disconnects) until "
+        "Stack.shutdown; needs name_prefix (attach_stack finds them by name) and placement.create(..., detached=True).",
     )
 
     @model_validator(mode="after")
     def _check(self) -> StackConfig:
+        if self.detached and not self.name_prefix:
+            raise ValueError("detached=True needs name_prefix: a detached actor nobody can find by name is a leak")
         t = self.trainer
         if (t.advantage.kind == "gae") != (self.critic is not None):
             raise ValueError(
@@ -86,16 +101,19 @@ class Stack:
     broadcaster: Any
     critic: Any = None
     reference: Any = None
+    monitor: Any = None
 
     def actors(self) -> dict[str, Any]:
         """Every actor of the stack by role (engines as ``engine<i>``), for a driver that checks or kills them."""
         roles = {"trainer": self.trainer, "pool": self.pool, "router": self.router, "buffer": self.buffer}
-        roles.update(broadcaster=self.broadcaster, critic=self.critic, reference=self.reference)
+        roles.update(broadcaster=self.broadcaster, critic=self.critic, reference=self.reference, monitor=self.monitor)
         roles.update({f"engine{i}": e for i, e in enumerate(self.engines)})
         return {role: actor for role, actor in roles.items() if actor is not None}
 
     def shutdown(self) -> None:
         """Kill every actor of the stack and remove its placement group (which stops whatever else runs there)."""
+        if self.monitor is not None:  # first, so that it replaces nothing being shut down
+            ray.kill(self.monitor, no_restart=True)
         for actor in self.actors().values():
             ray.kill(actor, no_restart=True)
         ray.util.remove_placement_group(self.placement.pg)
@@ -114,7 +132,8 @@ def build_stack(config: StackConfig, placement: Placement) -> Stack:
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
 
     def name(role: str) -> dict:
-        return {"scheduling_strategy": here, **({"name": f"{config.name_prefix}/{role}"} if config.name_prefix else {})}
+        options = {"scheduling_strategy": here, "lifetime": "detached" if config.detached else None}
+        return {**options, **({"name": f"{config.name_prefix}/{role}"} if config.name_prefix else {})}
 
     critic = reference = None
     if config.critic is not None:
@@ -131,7 +150,39 @@ def build_stack(config: StackConfig, placement: Placement) -> Stack:
     )
     workers = ray.get(trainer.workers.remote())
     broadcaster = WeightBroadcaster.options(**name("weight_broadcaster")).remote(sync, workers, list(engines))
-    return Stack(placement, trainer, pool, engines, router, buffer, broadcaster, critic, reference)
+    stack = Stack(placement, trainer, pool, engines, router, buffer, broadcaster, critic, reference)
+    if config.health is None:
+        return stack
+    return replace(stack, monitor=HealthMonitor.options(**name("health_monitor")).remote(config.health, stack))
+
+
+def attach_stack(name_prefix: str, namespace: str | None = None) -> Stack:
+    """The ``Stack`` of a running stack's named actors (built with ``StackConfig.name_prefix``), from any driver.
+
+    For a stack a notebook left running (``detached=True``), a later notebook, script or Ray job attaches with
+    ``attach_stack("notebook", namespace="miles_ray")`` and trains on, or ends it with ``shutdown()``.
+
+    Raises:
+        ValueError: if an actor of the stack is not found (the message names it and the namespace).
+
+    """
+
+    def get(role: str, required: bool = True):
+        try:
+            return ray.get_actor(f"{name_prefix}/{role}", namespace=namespace)
+        except ValueError:
+            if not required:
+                return None
+            raise ValueError(
+                f"no actor named {name_prefix}/{role} in namespace {namespace or ray.get_runtime_context().namespace}: "
+                "was the stack built with this name_prefix (and detached=True, if its driver has exited)?"
+            ) from None
+
+    pool = get("rollout_pool")
+    trainer, router, buffer, broadcaster = map(get, ("trainer", "router", "replay_buffer", "weight_broadcaster"))
+    critic, reference, monitor = (get(r, required=False) for r in ("critic", "reference", "health_monitor"))
+    placement, engines = ray.get([pool.placement.remote(), pool.engines.remote()])
+    return Stack(placement, trainer, pool, tuple(engines), router, buffer, broadcaster, critic, reference, monitor)
 
 
 def _check_slots(config: StackConfig, placement: Placement) -> None:

@@ -303,3 +303,35 @@ def server_auth_probe(actor, routes: list[tuple[str, str]], safe: tuple[str, str
         "health": status("GET", "/health", None),
         "safe_with_key": status(*safe, server.api_key),
     }
+
+
+class SyntheticSource:
+    """Deterministic data source: the batch at each position depends on the position only."""
+
+    def __init__(self):
+        self.position = 0
+
+    def next_batch(self):
+        self.position += 1
+        return synthetic_group(self.position % 5)
+
+    def state_dict(self):
+        return {"position": self.position}
+
+    def load_state_dict(self, state):
+        self.position = state["position"]
+
+
+def stop_stepping(engine) -> bool:
+    """Fault injection: end an engine actor's stepping thread (as a bug in it would) and return whether it lives."""
+
+    def stop(actor):
+        def exit_thread():
+            raise SystemExit  # past the loop's `except Exception`, as only a fatal error would be
+
+        actor.engine.has_work = exit_thread
+        actor.loop.wake()
+        actor.loop._thread.join(10)
+        return actor.loop.alive
+
+    return ray.get(engine.__ray_call__.remote(stop))

@@ -8,7 +8,10 @@ GRPO steps with verified broadcast syncs between nodes, the Router using both no
 broadcaster (same node: shared memory; other node: object store; both verified), a run checkpoint round-trip.
 Then engine 1's node is removed with a rollout in flight: every prompt comes back exactly once, and
 ``heal_engines`` starts engine 1 again on the spare node with the current weights (checksum verified), and it
-serves. Runs in its own process (its own Ray cluster):
+serves. A node is added back and the pool grows onto it (``grow_pool``). Last the trainer's node (with engine 0)
+is lost: the trainer restarts on the spare from the last run checkpoint and takes the same step as the
+uninterrupted run (same weights, same data position); engine 0 comes back beside it and every engine serves the
+new version. Runs in its own process (its own Ray cluster):
 
     python tests/e2e/multinode_run.py MODEL_DIR CHECKPOINT_DIR     # prints one JSON line
 """
@@ -19,7 +22,7 @@ import threading
 import time
 
 import ray
-from helpers import ShortResponseTask, grpo_in_step, trainer_checksum
+from helpers import ShortResponseTask, SyntheticSource, grpo_in_step, trainer_checksum
 from ray.cluster_utils import Cluster
 from ray.util.state import list_actors
 from transformers import AutoTokenizer
@@ -28,7 +31,7 @@ from miles_ray import placement
 from miles_ray.actors import WeightBroadcaster, WeightBroadcasterConfig
 from miles_ray.checkpoint import RunCheckpointer
 from miles_ray.engines.requests import GenerateRequest, SamplingParams
-from miles_ray.fault import heal_engines
+from miles_ray.fault import grow_pool, heal_engines, restart_trainer
 from miles_ray.rollout import generate_groups
 from miles_ray.stack import StackConfig, build_stack
 
@@ -41,7 +44,7 @@ def _cluster() -> tuple[Cluster, dict]:
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
     workers = {}
     for name, rack in (("a1", "a"), ("b1", "b"), ("b2", "b")):  # fractional CPUs: four nodes on a 2-core machine
-        workers[name] = cluster.add_node(num_cpus=2, labels={"rack": rack})
+        workers[name] = cluster.add_node(num_cpus=3, labels={"rack": rack})
     return cluster, workers
 
 
@@ -65,6 +68,8 @@ def main(model_path: str, checkpoint_dir: str) -> dict:
         out.update(_across_nodes(stack, model_path, checkpoint_dir))
         node_of = {w.node_id: w for w in workers.values()}
         out.update(_lose_engine_node(stack, cluster, node_of[out["nodes"]["engines"][1]], model_path))
+        out.update(_grow_onto_new_node(stack, cluster))
+        out.update(_lose_trainer_node(stack, cluster, node_of[out["nodes"]["trainer"]], checkpoint_dir))
         return out
     finally:
         ray.shutdown()
@@ -112,13 +117,7 @@ def _lose_engine_node(stack, cluster: Cluster, node, model_path: str) -> dict:
         time.sleep(0.01)
     cluster.remove_node(node, allow_graceful=False)
     rollout.join(timeout=300)
-    # Ray declares the node dead after missed health checks (~15 s); healing before that would start the engine
-    # again on the dying node's bundle, so wait for it, as a driver reacting to Ray's node events would
-    deadline = time.time() + 120
-    while any(n["NodeID"] == node.node_id and n["Alive"] for n in ray.nodes()):
-        if time.time() > deadline:
-            raise TimeoutError(f"Ray still reports node {node.node_id} alive")
-        time.sleep(0.5)
+    _wait_dead(node)
     stats = ray.get(stack.router.stats.remote())
     version = ray.get(stack.trainer.weight_version.remote())
     healed = heal_engines(stack.pool, stack.broadcaster, stack.router, version=version)
@@ -133,6 +132,70 @@ def _lose_engine_node(stack, cluster: Cluster, node, model_path: str) -> dict:
         "healed_checksum_matches": ray.get(new.weights_checksum.remote()) == trainer_checksum(stack.trainer),
         "engines_after_heal": sorted({o.engine_id for o in outs}),
         "versions_after_heal": sorted({o.weight_version for o in outs}),
+    }
+
+
+def _wait_dead(node) -> None:
+    """Wait until Ray declares ``node`` dead (missed health checks, ~15 s).
+
+    Healing before that would start an actor again on the dying node's bundle; a driver reacting to Ray's node
+    events does the same.
+    """
+    deadline = time.time() + 120
+    while any(n["NodeID"] == node.node_id and n["Alive"] for n in ray.nodes()):
+        if time.time() > deadline:
+            raise TimeoutError(f"Ray still reports node {node.node_id} alive")
+        time.sleep(0.5)
+
+
+def _grow_onto_new_node(stack, cluster: Cluster) -> dict:
+    """A node joins (a repaired one coming back): the pool starts engine 2 there with the current weights."""
+    node = cluster.add_node(num_cpus=3, labels={"rack": "b"})
+    version = ray.get(stack.trainer.weight_version.remote())
+    engine_id = grow_pool(stack.pool, stack.broadcaster, stack.router, node.node_id, version)
+    engine = ray.get(stack.pool.engines.remote())[engine_id]
+    outs = ray.get([stack.router.generate.remote(GenerateRequest([4, 5, 6 + i], SamplingParams())) for i in range(12)])
+    return {
+        "added_node": node.node_id,
+        "grown_engine": engine_id,
+        "grown_node": ray.get(engine.health.remote())["node_id"],
+        "grown_checksum_matches": ray.get(engine.weights_checksum.remote()) == trainer_checksum(stack.trainer),
+        "engines_after_grow": sorted({o.engine_id for o in outs}),
+    }
+
+
+def _train(trainer, source) -> None:
+    ray.get(trainer.train_step.remote(source.next_batch()))
+
+
+def _lose_trainer_node(stack, cluster: Cluster, node, checkpoint_dir: str) -> dict:
+    """Checkpoint, take one step (the uninterrupted run), lose the trainer's node, restart, take it again."""
+    source, ckpt = SyntheticSource(), RunCheckpointer(f"{checkpoint_dir}/trainer_loss")
+    _train(stack.trainer, source)
+    ckpt.save(1, stack.trainer, data_source=source)
+    _train(stack.trainer, source)
+    expected = trainer_checksum(stack.trainer), ray.get(stack.trainer.weight_version.remote()), source.position
+    cluster.remove_node(node, allow_graceful=False)
+    _wait_dead(node)
+    restart_trainer(stack.trainer, stack.broadcaster)
+    loaded = ckpt.load(None, stack.trainer, data_source=source, restore_driver_rng=False)
+    _train(stack.trainer, source)
+    version = ray.get(stack.trainer.weight_version.remote())
+    healed = heal_engines(stack.pool, stack.broadcaster, stack.router, version=version)  # engine 0 shared the node
+    ray.get(stack.broadcaster.sync.remote(version))  # broadcast from the restarted rank on the spare: verified
+    [worker] = ray.get(stack.trainer.workers.remote())
+    engines = ray.get(stack.pool.engines.remote())
+    outs = ray.get([stack.router.generate.remote(GenerateRequest([7, 8, 9 + i], SamplingParams())) for i in range(12)])
+    return {
+        "resumed_step": loaded["step"],
+        "resumed": [trainer_checksum(stack.trainer), version, source.position],
+        "uninterrupted": list(expected),
+        "restarted_trainer_node": _node(worker),
+        "healed_after_trainer_loss": healed,
+        "engine0_node_after": ray.get(engines[0].health.remote())["node_id"],
+        "engine_checksums_match": [ray.get(e.weights_checksum.remote()) == expected[0] for e in engines],
+        "engines_after_restart": sorted({o.engine_id for o in outs}),
+        "versions_after_restart": sorted({o.weight_version for o in outs}),
     }
 
 

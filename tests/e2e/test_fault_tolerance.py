@@ -9,7 +9,7 @@ import time
 
 import pytest
 import ray
-from helpers import ShortResponseTask, synthetic_group, tiny_stack, trainer_checksum
+from helpers import ShortResponseTask, SyntheticSource, stop_stepping, synthetic_group, tiny_stack, trainer_checksum
 from transformers import AutoTokenizer
 
 from miles_ray import placement
@@ -94,21 +94,6 @@ def test_killed_engine_mid_rollout_loses_no_prompt_and_returns_with_current_weig
     assert {o.engine_id for o in outs} == {0, 1} and {o.weight_version for o in outs} == {2}
 
 
-def _stop_stepping(engine) -> bool:
-    """Fault injection: end an engine actor's stepping thread (as a bug in it would) and return whether it lives."""
-
-    def stop(actor):
-        def exit_thread():
-            raise SystemExit  # past the loop's `except Exception`, as only a fatal error would be
-
-        actor.engine.has_work = exit_thread
-        actor.loop.wake()
-        actor.loop._thread.join(10)
-        return actor.loop.alive
-
-    return ray.get(engine.__ray_call__.remote(stop))
-
-
 def test_an_engine_whose_stepping_thread_died_is_evicted_retried_and_replaced(make_placement, tiny_model_path):
     """Regression (#23): the actor lives but serves nothing; requests used to hang and health to answer healthy."""
     pl = make_placement(placement.disaggregated(1, 2))
@@ -116,7 +101,7 @@ def test_an_engine_whose_stepping_thread_died_is_evicted_retried_and_replaced(ma
     stack = tiny_stack(pl, tiny_model_path, num_engines=2, router=router_cfg)
     trainer, pool, router, wb, engines = stack.trainer, stack.pool, stack.router, stack.broadcaster, stack.engines
     ray.get(wb.sync.remote(0))  # the broadcaster is up (it asks every engine for its dtype when it starts)
-    assert _stop_stepping(engines[0]) is False
+    assert stop_stepping(engines[0]) is False
     with pytest.raises(EngineDeadError, match="stepping thread has died"):
         ray.get(engines[0].health.remote())
     request = GenerateRequest([1, 2, 3], SamplingParams(max_new_tokens=4))
@@ -128,26 +113,9 @@ def test_an_engine_whose_stepping_thread_died_is_evicted_retried_and_replaced(ma
     new = ray.get(pool.engines.remote())[0]
     assert ray.get(new.weights_checksum.remote()) == trainer_checksum(trainer)
     # the health check (not only a failed request) evicts a dead engine, and its round survives the error
-    assert _stop_stepping(new) is False
+    assert stop_stepping(new) is False
     assert ray.get(router.check_health.remote()) == {0: False, 1: True}
     assert ray.get(router.stats.remote())["evicted"] == [0]
-
-
-class SyntheticSource:
-    """Deterministic data source: the batch at each position depends on the position only."""
-
-    def __init__(self):
-        self.position = 0
-
-    def next_batch(self):
-        self.position += 1
-        return synthetic_group(self.position % 5)
-
-    def state_dict(self):
-        return {"position": self.position}
-
-    def load_state_dict(self, state):
-        self.position = state["position"]
 
 
 class BrokenSource(SyntheticSource):

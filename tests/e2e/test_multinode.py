@@ -1,4 +1,5 @@
-"""Across Ray nodes (#22): four simulated nodes on this machine, two racks, one spare node; then a node is lost.
+"""Across Ray nodes (#22): four simulated nodes on this machine, two racks, one spare node; then nodes are lost
+and added.
 Runs in its own process (``multinode_run.py``: its own Ray cluster, apart from the session's one-node cluster)."""
 
 import json
@@ -54,3 +55,20 @@ def test_a_lost_engine_node_loses_no_prompt_and_its_engine_returns_on_the_spare(
     assert run["evicted"] == [1] and run["healed"] == [1]
     assert run["healed_node"] == run["spare"] and run["healed_checksum_matches"]
     assert run["engines_after_heal"] == [0, 1] and run["versions_after_heal"] == [2]
+
+
+def test_the_pool_grows_onto_a_node_added_back(run):
+    """cluster.add_node after the loss: grow_pool starts engine 2 on the new node with the current weights and the
+    Router sends it requests."""
+    assert run["grown_engine"] == 2 and run["grown_node"] == run["added_node"] and run["grown_checksum_matches"]
+    assert run["engines_after_grow"] == [0, 1, 2]
+
+
+def test_a_lost_trainer_node_resumes_on_the_spare_like_an_uninterrupted_run(run):
+    """The trainer's node (with engine 0) is removed after a step past the last checkpoint: the rank restarts on
+    the spare, the checkpoint (weights, optimizer, data position) loads, the same step gives bit-identical weights;
+    engine 0 comes back on the spare too and every engine serves the new weights."""
+    assert run["resumed_step"] == 1 and run["resumed"] == run["uninterrupted"]
+    assert run["restarted_trainer_node"] == run["spare"] and run["engine0_node_after"] == run["spare"]
+    assert run["healed_after_trainer_loss"] == [0] and run["engine_checksums_match"] == [True, True, True]
+    assert run["engines_after_restart"] == [0, 1, 2] and run["versions_after_restart"] == [run["resumed"][1]]

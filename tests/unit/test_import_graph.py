@@ -20,7 +20,8 @@ LAYERS = [
     {"models", "rewards", "data", "trackers"},
     {"engines", "backends", "hooks", "rollout", "multiturn", "evaluation"},
     {"actors"},
-    {"stack", "checkpoint", "fault", "report", "eval", ""},  # "" is the package itself (miles_ray/__init__.py)
+    # "" is the package itself (miles_ray/__init__.py)
+    {"stack", "checkpoint", "fault", "health", "report", "eval", ""},
 ]
 
 

@@ -23,6 +23,12 @@ def test_configs_are_cross_checked():
         StackConfig(trainer=megatron_kl, pool=POOL)
     with pytest.raises(ValidationError, match=r"pool\.engine\n  Value error, engine\.kind must be one of"):
         StackConfig(trainer=TRAINER, pool={"engine": {"kind": "tgi", "model_path": "m"}})
+    with pytest.raises(ValidationError, match="detached=True needs name_prefix"):
+        StackConfig(trainer=TRAINER, pool=POOL, detached=True)
+    with pytest.raises(ValidationError, match=r"health\.interval_s\n  Input should be greater than 0"):
+        StackConfig(trainer=TRAINER, pool=POOL, health={"interval_s": 0})
+    with pytest.raises(ValidationError, match=r"health\.max_failure\n  Extra inputs are not permitted"):
+        StackConfig(trainer=TRAINER, pool=POOL, health={"max_failure": 2})
     config = StackConfig(trainer={**TRAINER, "advantage": {"kind": "gae"}}, pool=POOL, critic={"model_path": "m"})
     assert config.broadcaster is None and config.buffer.max_staleness is None
 

@@ -118,6 +118,28 @@ class RolloutPool:
         self._respawned += len(new)
         return new
 
+    def add_engine(self, node_id: str) -> tuple[int, Any]:
+        """Start one more engine, on node ``node_id`` (say a node added to the cluster), shaped like the others.
+
+        It gets the next engine id and is respawned like the plan's engines (on a spare node if its node is lost).
+        It holds the model at ``engine.model_path`` (version 0): ``miles_ray.fault.grow_pool`` gives it the current
+        weights and routes to it.
+
+        Returns:
+            ``(engine_id, handle)``.
+
+        Raises:
+            RuntimeError: if the node is not alive or has no room for an engine.
+
+        """
+        engine_id = self._placement.add_slot("engine", node_id)
+        engine = self._placement.spawn_one(self._cls, "engine", engine_id, self._args(engine_id), max_concurrency=1000)
+        urls = self._start([engine])
+        self._engines.append(engine)
+        if urls is not None:
+            self._urls.append(urls[0])
+        return engine_id, engine
+
     def release_memory(self) -> list[bool]:
         """Every engine frees its accelerator memory (colocated, before a train step); per engine: whether it did.
 
@@ -129,6 +151,10 @@ class RolloutPool:
     def resume_memory(self, tags: str | list[str] | None = None) -> list[bool]:
         """Every engine takes back the memory ``tags`` (``weights``, ``kv_cache``; None: all) of ``release_memory``."""
         return ray.get([e.resume_memory.remote(tags) for e in self._engines])
+
+    def placement(self) -> Placement:
+        """The placement the pool's engines run on (``stack.attach_stack`` rebuilds a ``Stack`` from it)."""
+        return self._placement
 
     def num_respawned(self) -> int:
         """Engines replaced by ``respawn_dead`` so far."""

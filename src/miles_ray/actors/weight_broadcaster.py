@@ -292,6 +292,17 @@ class WeightBroadcaster:
         _record_versions([engine_id], version)
         return {"engine_id": engine_id, "version": version, "seconds": seconds, "checksum": loaded[0]["checksum"]}
 
+    def add_engine(self, engine, version: int) -> dict:
+        """Drive one more engine (``RolloutPool.add_engine``) as the next engine id; load and verify ``version`` in it.
+
+        Returns:
+            What ``replace_engine`` returns.
+
+        """
+        self._engines.append(engine)
+        self._kinds.append("full")  # replace_engine asks the engine for its own kind
+        return self.replace_engine(len(self._engines) - 1, engine, version)
+
     def set_trainer_workers(self, trainer_workers: list) -> None:
         """Drive new trainer rank actors (after ``TrainerGroup.restart``); the next sync re-forms the group."""
         if not trainer_workers:

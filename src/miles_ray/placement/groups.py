@@ -22,43 +22,85 @@ class Placement:
     """A ready placement group and the real bundle index for every plan bundle.
 
     A plan pinned to nodes (``nodes.on_nodes``) keeps working when a node is lost: an actor started again on a
-    bundle of that node goes to a spare node instead (``moved``: plan bundle -> a one-bundle group there; bundles of
+    bundle of that node goes to a spare node instead (``moved``: bundle -> a one-bundle group there; bundles of
     one lost node go to the same spare while it has room, so a model-parallel group stays inside a node).
+    ``add_slot`` grows a role beyond the plan onto a node of choice (a node added to the cluster): such slots have
+    bundle indices past the plan's (``added``) and move to a spare like the others.
     """
 
     plan: PlacementPlan
     pg: PlacementGroup
     bundle_order: tuple[int, ...]
     moved: dict[int, tuple[PlacementGroup, str]] = field(default_factory=dict, compare=False)
+    added: dict[int, tuple[str, Slot, PlacementGroup, str]] = field(default_factory=dict, compare=False)
+
+    def slots(self, role: str) -> tuple[Slot, ...]:
+        """The plan's ``role`` slots, then those ``add_slot`` added."""
+        return self.plan.slots(role) + tuple(slot for r, slot, _, _ in self.added.values() if r == role)
+
+    def add_slot(self, role: str, node: str, timeout_s: float = 30.0) -> int:
+        """One more ``role`` slot, on node ``node``, shaped like the role's first; returns its index among the role's.
+
+        Raises:
+            ValueError: if the plan has no ``role`` slot to copy.
+            RuntimeError: if ``node`` is not alive or has no room for it within ``timeout_s``.
+
+        """
+        like = self.plan.slots(role)
+        if not like:
+            raise ValueError(f"the placement plan has no {role} slot to copy")
+        shape = {"CPU": like[0].num_cpus, **({"GPU": like[0].num_gpus} if like[0].num_gpus else {})}
+        found = _on_node(shape, [node], timeout_s)
+        if found is None:
+            raise RuntimeError(f"node {node} cannot take one more {role} (needs {shape}); is it alive, with room?")
+        bundle = len(self.plan.bundles) + len(self.added)
+        self.added[bundle] = (role, Slot(bundle, like[0].num_cpus, like[0].num_gpus), found[0], node)
+        return len(self.slots(role)) - 1
 
     def strategy(self, slot: Slot) -> PlacementGroupSchedulingStrategy:
         """Ray scheduling strategy that pins an actor to ``slot``'s bundle (on a spare node if its node is lost)."""
-        moved = self._relocated(slot.bundle)
-        if moved is not None:
-            return PlacementGroupSchedulingStrategy(placement_group=moved, placement_group_bundle_index=0)
+        own = self._own_group(slot.bundle)
+        if own is not None:
+            return PlacementGroupSchedulingStrategy(placement_group=own, placement_group_bundle_index=0)
         return PlacementGroupSchedulingStrategy(
             placement_group=self.pg, placement_group_bundle_index=self.bundle_order[slot.bundle]
         )
 
     def node_of(self, bundle: int) -> str | None:
-        """The node a pinned plan bundle runs on now (its spare once moved); None for a plan Ray places."""
+        """The node a pinned bundle runs on now (its spare once moved); None for a plan Ray places."""
         if bundle in self.moved:
             return self.moved[bundle][1]
+        return self._home(bundle)
+
+    def _home(self, bundle: int) -> str | None:
+        """The node a bundle was first put on: the plan's pin, or the node ``add_slot`` chose."""
+        if bundle in self.added:
+            return self.added[bundle][3]
         return self.plan.bundle_nodes[bundle] if self.plan.bundle_nodes else None
 
-    def _relocated(self, bundle: int) -> PlacementGroup | None:
-        """The group on a spare node for ``bundle`` if its node is lost (made on first need), else None."""
+    def _own_group(self, bundle: int) -> PlacementGroup | None:
+        """The one-bundle group ``bundle`` lives in (added or moved; moved to a spare now if its node is lost)."""
         node = self.node_of(bundle)
         if node is None:
             return None
         alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
         if node in alive:
-            return self.moved[bundle][0] if bundle in self.moved else None
-        lost = self.plan.bundle_nodes[bundle]
-        siblings = [spare for b, (_, spare) in self.moved.items() if self.plan.bundle_nodes[b] == lost]
+            if bundle in self.moved:
+                return self.moved[bundle][0]
+            return self.added[bundle][2] if bundle in self.added else None
+        lost = self._home(bundle)
+        siblings = [spare for b, (_, spare) in self.moved.items() if self._home(b) == lost]
         candidates = list(dict.fromkeys(s for s in [*siblings, *self.plan.spare_nodes] if s in alive))
-        self.moved[bundle] = _on_spare(self.plan.bundles[bundle], candidates, f"node {node} of bundle {bundle}")
-        return self.moved[bundle][0]
+        shape = self.added[bundle][1] if bundle in self.added else None
+        shape = self.plan.bundles[bundle] if shape is None else {"CPU": shape.num_cpus, "GPU": shape.num_gpus}
+        found = _on_node({k: v for k, v in shape.items() if v}, candidates)
+        if found is None:
+            raise RuntimeError(
+                f"node {node} of bundle {bundle} is gone and no spare node can take it (alive spares tried: "
+                f"{candidates or 'none'}); plan with more spare_nodes, or add a node and create a new placement"
+            )
+        self.moved[bundle] = found
+        return found[0]
 
     def options(self, slot: Slot) -> dict:
         """``actor_cls.options(**placement.options(slot))`` keyword arguments."""
@@ -92,28 +134,27 @@ class Placement:
             IndexError: if the plan has no such slot.
 
         """
-        slots = self.plan.slots(role)
+        slots = self.slots(role)
         if not 0 <= index < len(slots):
             raise IndexError(f"{role} slot {index} does not exist (the plan has {len(slots)})")
         return ray.remote(cls).options(**self.options(slots[index]), **options).remote(*args)
 
 
-def _on_spare(shape: dict[str, float], candidates: list[str], what: str, timeout_s: float = 30.0):
-    """A one-bundle group of ``shape`` on the first of ``candidates`` (spare node ids) with room, and its node.
+def _on_node(shape: dict[str, float], candidates: list[str], timeout_s: float = 30.0):
+    """A ready one-bundle group of ``shape`` on the first of ``candidates`` (node ids) with room, and that node.
 
-    Raises:
-        RuntimeError: if no spare node is left or none has room (each was tried for ``timeout_s``).
-
+    None if none has room (each is tried for ``timeout_s``).
     """
     for node in candidates:
         pg = placement_group([shape], bundle_label_selector=[{NODE_ID_LABEL_KEY: node}])
         if ray.wait([pg.ready()], timeout=timeout_s)[0]:
             return pg, node
         ray.util.remove_placement_group(pg)
-    raise RuntimeError(
-        f"{what} is gone and no spare node can take it (alive spares tried: {candidates or 'none'}); plan with "
-        "more spare_nodes, or add a node and create a new placement"
-    )
+    return None
+
+
+def _in(pg: PlacementGroup, bundle: int = 0) -> PlacementGroupSchedulingStrategy:
+    return PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle)
 
 
 @ray.remote(num_cpus=0)
@@ -122,8 +163,11 @@ def _probe() -> tuple[str, str, tuple[int, ...]]:
     return ray.util.get_node_ip_address(), context.get_node_id(), tuple(int(g) for g in ray.get_gpu_ids())
 
 
-def create(plan: PlacementPlan, timeout_s: float = 120.0) -> Placement:
+def create(plan: PlacementPlan, timeout_s: float = 120.0, detached: bool = False) -> Placement:
     """Create the plan's placement group, wait until it is ready, and order its bundles.
+
+    ``detached``: the group outlives the driver that made it (for a stack built with ``StackConfig.detached``, e.g.
+    from a notebook that disconnects); remove it with ``Stack.shutdown``.
 
     Raises:
         TimeoutError: if the cluster cannot fit the bundles in time (the error lists them).
@@ -131,7 +175,8 @@ def create(plan: PlacementPlan, timeout_s: float = 120.0) -> Placement:
     """
     # a pinned bundle goes to its node (every Ray node carries its id as a label), whatever the strategy says
     pins = [{NODE_ID_LABEL_KEY: node} for node in plan.bundle_nodes] or None
-    pg = placement_group(list(plan.bundles), strategy=plan.strategy, bundle_label_selector=pins)
+    lifetime = "detached" if detached else None
+    pg = placement_group(list(plan.bundles), strategy=plan.strategy, bundle_label_selector=pins, lifetime=lifetime)
     ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
     if not ready:
         ray.util.remove_placement_group(pg)
@@ -142,7 +187,7 @@ def create(plan: PlacementPlan, timeout_s: float = 120.0) -> Placement:
     infos = ray.get(
         [
             _probe.options(
-                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
+                scheduling_strategy=_in(pg, i),
                 num_gpus=0.01 if plan.bundles[i].get("GPU") else 0,
             ).remote()
             for i in range(len(plan.bundles))

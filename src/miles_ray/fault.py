@@ -23,10 +23,11 @@ from __future__ import annotations
 import ray
 
 
-def heal_engines(pool, broadcaster, router, version: int) -> list[int]:
+def heal_engines(pool, broadcaster, router, version: int, health_timeout_s: float = 60.0) -> list[int]:
     """Replace every dead engine of ``pool``, give it weight ``version`` and route to it again.
 
-    Call it between weight syncs (not during one), with the trainer's current version.
+    Call it between weight syncs (not during one), with the trainer's current version. An engine that does not
+    answer its health check within ``health_timeout_s`` counts as dead (hung).
 
     Returns:
         The ids of the engines replaced.
@@ -35,7 +36,7 @@ def heal_engines(pool, broadcaster, router, version: int) -> list[int]:
         WeightSyncError: if a new engine does not hold the weights it was sent (it is not routed to then).
 
     """
-    new = ray.get(pool.respawn_dead.remote())
+    new = ray.get(pool.respawn_dead.remote(health_timeout_s))
     for engine_id, engine in new.items():
         ray.get(broadcaster.replace_engine.remote(engine_id, engine, version))
         ray.get(router.add_engine.remote(engine, engine_id))

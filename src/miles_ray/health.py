@@ -157,7 +157,7 @@ class HealthMonitor:
         trainer, broadcaster = self._stack.trainer, self._stack.broadcaster
         try:
             version = ray.get(trainer.weight_version.remote())
-            healed = heal_engines(self._stack.pool, broadcaster, self._stack.router, version=version)
+            healed = heal_engines(self._stack.pool, broadcaster, self._stack.router, version, self.config.timeout_s)
             engines = ray.get(self._stack.pool.engines.remote())
             while (now := ray.get(trainer.weight_version.remote())) != version:
                 ray.get([broadcaster.replace_engine.remote(i, engines[i], now) for i in healed])

@@ -1,7 +1,8 @@
-"""The HealthMonitor (#22): every actor of a stack watched; an engine that died, or whose stepping thread died while
-its actor lives, is replaced with the trainer's current weights without the driver doing anything; a dead trainer
-rank is reported; all of it in ``stats()`` and in the Prometheus metrics. Faults are injected for real (``ray.kill``;
-the stepping thread ended as a fatal bug would end it)."""
+"""The HealthMonitor (#22): every actor of a stack watched; an engine that died, whose stepping thread died while
+its actor lives, or that hangs (health() never answers), is replaced with the trainer's current weights without
+the driver doing anything; a dead trainer rank is reported; all of it in ``stats()`` and in the Prometheus metrics.
+Faults are injected for real (``ray.kill``; the stepping thread ended as a fatal bug would end it; the engine's
+event loop blocked)."""
 
 import time
 
@@ -50,6 +51,10 @@ def test_the_monitor_replaces_failed_engines_with_current_weights_and_reports_a_
         assert stop_stepping(stack.engines[1]) is False  # the actor lives, its engine does not
         wait_for(lambda: ray.get(monitor.stats.remote())["replaced"] == [0, 1], "engine 1 replaced")
 
+        hung = ray.get(stack.pool.engines.remote())[0]
+        hung.__ray_call__.remote(lambda _: time.sleep(3600))  # blocks the engine's event loop: health() never answers
+        wait_for(lambda: ray.get(monitor.stats.remote())["replaced"] == [0, 1, 0], "the hung engine 0 replaced")
+
         engines = ray.get(stack.pool.engines.remote())
         expected = trainer_checksum(stack.trainer)
         assert [ray.get(e.weights_checksum.remote()) for e in engines] == [expected, expected]
@@ -61,7 +66,7 @@ def test_the_monitor_replaces_failed_engines_with_current_weights_and_reports_a_
             rows = scrape(ray_cluster.miles_ray_metrics_url)
             replaced = sum(v for _, v in rows.get("ray_miles_ray_health_replacements_total", []))
             healthy = {t["actor"]: v for t, v in rows.get("ray_miles_ray_actor_healthy", [])}
-            return replaced == 2 and healthy.get("engine0") == healthy.get("engine1") == 1.0 and healthy
+            return replaced == 3 and healthy.get("engine0") == healthy.get("engine1") == 1.0 and healthy
 
         wait_for(exported, "the replacements in Prometheus", 30)
 
@@ -69,7 +74,7 @@ def test_the_monitor_replaces_failed_engines_with_current_weights_and_reports_a_
         ray.kill(rank, no_restart=True)  # reported, not replaced: the run rolls back to a checkpoint
         wait_for(lambda: not ray.get(monitor.stats.remote())["actors"]["trainer_rank0"]["healthy"], "the dead rank")
         stats = ray.get(monitor.stats.remote())
-        assert stats["replaced"] == [0, 1] and stats["actors"]["engine0"]["healthy"]
+        assert stats["replaced"] == [0, 1, 0] and stats["actors"]["engine0"]["healthy"]
         wait_for(lambda: (exported() or {}).get("trainer_rank0") == 0.0, "the dead rank in Prometheus", 30)
     finally:
         ray.kill(monitor, no_restart=True)

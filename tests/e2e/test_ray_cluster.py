@@ -40,6 +40,9 @@ def head(tmp_path_factory, smollm2_path):
     temp = tmp_path_factory.mktemp("ray_head")
     cmd = [RAY, "start", "--head", "--block", "--num-cpus", "8", "--port", str(port), "--disable-usage-stats"]
     cmd += ["--include-dashboard", "true", "--dashboard-port", str(dashboard), "--temp-dir", str(temp)]
+    # ports Ray otherwise fixes (52365, 10001): the session's own cluster may hold them already, and a head whose
+    # dashboard agent cannot listen accepts no job
+    cmd += ["--dashboard-agent-listen-port", str(_free_port()), "--ray-client-server-port", str(_free_port())]
     log = open(temp / "ray_start.log", "w")  # noqa: SIM115 - open for the cluster's lifetime
     proc = subprocess.Popen(cmd, start_new_session=True, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{dashboard}"
@@ -141,9 +144,10 @@ def test_the_quickstart_runs_as_a_ray_job(head, tmp_path):
     cmd = [RAY, "job", "submit", "--address", dashboard, "--submission-id", "quickstart-test"]
     cmd += ["--runtime-env-json", json.dumps({"env_vars": env_vars}), "--", sys.executable, str(script), *args]
     submit = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=_env(address), check=False)
+    assert submit.returncode == 0, (submit.stdout[-3000:], submit.stderr[-3000:])
     client = JobSubmissionClient(dashboard)  # the Jobs REST API: what the dashboard's Jobs tab shows
     status, logs = client.get_job_status("quickstart-test"), client.get_job_logs("quickstart-test")
-    assert submit.returncode == 0 and status == JobStatus.SUCCEEDED, (status, submit.stderr[-2000:], logs[-3000:])
+    assert status == JobStatus.SUCCEEDED, (status, logs[-3000:])
     assert "reward_mean" in logs  # the quick-start's closing summary, printed by the job's driver
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [0, 1] and records[-1]["weight_version"] == 2

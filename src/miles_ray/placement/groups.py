@@ -49,7 +49,7 @@ class Placement:
         like = self.plan.slots(role)
         if not like:
             raise ValueError(f"the placement plan has no {role} slot to copy")
-        shape = {"CPU": like[0].num_cpus, **({"GPU": like[0].num_gpus} if like[0].num_gpus else {})}
+        shape = _shape(like[0])
         found = _on_node(shape, [node], timeout_s)
         if found is None:
             raise RuntimeError(f"node {node} cannot take one more {role} (needs {shape}); is it alive, with room?")
@@ -91,9 +91,8 @@ class Placement:
         lost = self._home(bundle)
         siblings = [spare for b, (_, spare) in self.moved.items() if self._home(b) == lost]
         candidates = list(dict.fromkeys(s for s in [*siblings, *self.plan.spare_nodes] if s in alive))
-        shape = self.added[bundle][1] if bundle in self.added else None
-        shape = self.plan.bundles[bundle] if shape is None else {"CPU": shape.num_cpus, "GPU": shape.num_gpus}
-        found = _on_node({k: v for k, v in shape.items() if v}, candidates)
+        shape = _shape(self.added[bundle][1]) if bundle in self.added else self.plan.bundles[bundle]
+        found = _on_node(shape, candidates)
         if found is None:
             raise RuntimeError(
                 f"node {node} of bundle {bundle} is gone and no spare node can take it (alive spares tried: "
@@ -151,6 +150,11 @@ def _on_node(shape: dict[str, float], candidates: list[str], timeout_s: float = 
             return pg, node
         ray.util.remove_placement_group(pg)
     return None
+
+
+def _shape(slot: Slot) -> dict[str, float]:
+    """The one-bundle group resources of ``slot`` (an added slot is a bundle of its own)."""
+    return {"CPU": slot.num_cpus, **({"GPU": slot.num_gpus} if slot.num_gpus else {})}
 
 
 def _in(pg: PlacementGroup, bundle: int = 0) -> PlacementGroupSchedulingStrategy:

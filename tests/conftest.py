@@ -28,6 +28,22 @@ def tiny_moe_path() -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3_path() -> str:
+    """A small random Qwen3 (per-head q/k norms drawn around 1, tied head)."""
+    from miles_ray.models.hub import tiny_qwen3_dir
+
+    return str(tiny_qwen3_dir())
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_moe_path() -> str:
+    """A small random Qwen3-MoE: MoE layers 0 and 2 around a dense layer 1, 8 experts, top-2, untied head."""
+    from miles_ray.models.hub import tiny_qwen3_moe_dir
+
+    return str(tiny_qwen3_moe_dir())
+
+
+@pytest.fixture(scope="session")
 def smollm2_path() -> str:
     """The real SmolLM2-135M-Instruct (converted once from the offline GGUF package, ~20 s): for behaviour a random
     model cannot show, such as following a tool-calling format."""

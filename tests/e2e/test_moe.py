@@ -34,9 +34,12 @@ def test_grpo_on_moe_with_routing_replay(make_placement, tiny_moe_path):
     assert len(set(checksums)) == 2  # the checksums cover every parameter: routers and fused experts included
 
 
-def test_routes_after_abort_resume_belong_to_the_new_weights(make_placement, tiny_moe_path):
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_routes_after_abort_resume_belong_to_the_new_weights(make_placement, family, request):
     """A sync lands mid-generation (``abort_resume``): the continuation re-prefills the whole sequence on the new
-    weights, so its routes cover every fed token and, replayed, give the trainer the engine's tail logprobs."""
+    weights, so its routes cover every fed token and, replayed, give the trainer the engine's tail logprobs.
+    Qwen3-MoE: q/k norms, an untied head and a dense layer between its two MoE layers, synced and replayed alike."""
+    tiny_moe_path = request.getfixturevalue("tiny_moe_path" if family == "mixtral" else "tiny_qwen3_moe_path")
     import torch
     from helpers import wait_until_decoding
 

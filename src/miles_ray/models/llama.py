@@ -1,4 +1,7 @@
-"""A pure-PyTorch Llama/Qwen2/Mixtral decoder for the embedded rollout engine, with a preallocated KV cache.
+"""A pure-PyTorch Llama-family decoder for the embedded rollout engine, with a preallocated KV cache.
+
+One implementation covers the families in ``FAMILIES`` (Llama, Qwen2, Qwen3, Mixtral, Qwen3-MoE): they differ in
+attention biases, Qwen3's per-head q/k RMSNorm, and which layers have a sparse MoE feed-forward.
 
 Parameter names equal Hugging Face's (``model.layers.0.self_attn.q_proj.weight``, ...), so an HF state
 dict loads as is and weight sync sends HF-named tensors. The numerics follow HF's implementation
@@ -45,25 +48,27 @@ class LlamaArgs:
     rms_norm_eps: float
     rope_theta: float
     tie_word_embeddings: bool
-    attention_bias: bool
-    num_experts: int = 0  # > 0: every layer's feed-forward is a sparse MoE (Mixtral)
+    attention_bias: bool  # q/k/v projections
+    o_bias: bool = False  # the output projection (Llama and Qwen3 with attention_bias; never Qwen2 or Mixtral)
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before RoPE
+    num_experts: int = 0  # > 0: the layers in moe_layers have a sparse MoE feed-forward
     top_k: int = 0
     norm_topk_prob: bool = True
+    moe_intermediate_size: int = 0  # each expert's width
+    moe_layers: tuple[int, ...] = ()  # layers whose feed-forward is sparse; the others are dense SwiGLU MLPs
 
     @classmethod
     def from_hf_config(cls, cfg: dict) -> LlamaArgs:
-        """Parse an HF config dict of model_type ``llama``, ``qwen2`` or ``mixtral``.
+        """Parse an HF config dict of a model type in ``FAMILIES``.
 
         Raises:
             ValueError: for an unsupported model type, RoPE scaling or sliding-window attention.
 
         """
         model_type = cfg.get("model_type")
-        if model_type not in ("llama", "qwen2", "mixtral"):
-            raise ValueError(
-                f"model_type must be 'llama', 'qwen2' or 'mixtral' for the embedded engine, got {model_type!r}"
-            )
-        if model_type == "mixtral" and cfg.get("sliding_window") is not None:
+        if model_type not in FAMILIES:
+            raise ValueError(f"model_type must be one of {sorted(FAMILIES)} for this model spec, got {model_type!r}")
+        if cfg.get("sliding_window") is not None and (model_type == "mixtral" or cfg.get("use_sliding_window")):
             raise ValueError(f"sliding_window={cfg['sliding_window']} is not supported by the embedded engine (None)")
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
@@ -82,11 +87,52 @@ class LlamaArgs:
             rms_norm_eps=cfg["rms_norm_eps"],
             rope_theta=float(theta),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            # qwen2 always has q/k/v biases; llama has them when attention_bias is set
-            attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
-            num_experts=cfg["num_local_experts"] if model_type == "mixtral" else 0,
-            top_k=cfg["num_experts_per_tok"] if model_type == "mixtral" else 0,
+            **FAMILIES[model_type](cfg),
         )
+
+
+def _llama(cfg: dict) -> dict:
+    bias = bool(cfg.get("attention_bias", False))
+    return {"attention_bias": bias, "o_bias": bias}
+
+
+def _qwen2(cfg: dict) -> dict:
+    return {"attention_bias": True, "o_bias": False}  # q/k/v biases always, none on o_proj
+
+
+def _qwen3(cfg: dict) -> dict:
+    return {**_llama(cfg), "qk_norm": True}
+
+
+def _experts(cfg: dict, moe_layers: tuple[int, ...], width: int, norm_topk_prob: bool) -> dict:
+    num_experts = cfg.get("num_local_experts") or cfg.get("num_experts") or 0
+    if not num_experts:
+        return {}
+    top_k = cfg["num_experts_per_tok"]
+    return {
+        "num_experts": num_experts,
+        "top_k": top_k,
+        "norm_topk_prob": norm_topk_prob,
+        "moe_intermediate_size": width,
+        "moe_layers": moe_layers,
+    }
+
+
+def _mixtral(cfg: dict) -> dict:
+    every = tuple(range(cfg["num_hidden_layers"]))
+    return {"attention_bias": False, **_experts(cfg, every, cfg["intermediate_size"], norm_topk_prob=True)}
+
+
+def _qwen3_moe(cfg: dict) -> dict:
+    # as transformers' Qwen3MoeDecoderLayer: sparse unless listed in mlp_only_layers, every decoder_sparse_step-th
+    dense, step = set(cfg.get("mlp_only_layers") or ()), cfg.get("decoder_sparse_step", 1)
+    sparse = tuple(i for i in range(cfg["num_hidden_layers"]) if i not in dense and (i + 1) % step == 0)
+    width = cfg["moe_intermediate_size"]
+    return {**_qwen3(cfg), **_experts(cfg, sparse, width, bool(cfg.get("norm_topk_prob", False)))}
+
+
+# model_type -> the fields of LlamaArgs that differ between the families this one decoder implements
+FAMILIES = {"llama": _llama, "qwen2": _qwen2, "qwen3": _qwen3, "mixtral": _mixtral, "qwen3_moe": _qwen3_moe}
 
 
 class RMSNorm(nn.Module):
@@ -149,15 +195,21 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(a.hidden_size, a.num_heads * a.head_dim, bias=a.attention_bias)
         self.k_proj = nn.Linear(a.hidden_size, a.num_kv_heads * a.head_dim, bias=a.attention_bias)
         self.v_proj = nn.Linear(a.hidden_size, a.num_kv_heads * a.head_dim, bias=a.attention_bias)
-        self.o_proj = nn.Linear(a.num_heads * a.head_dim, a.hidden_size, bias=False)
+        self.o_proj = nn.Linear(a.num_heads * a.head_dim, a.hidden_size, bias=a.o_bias)
+        if a.qk_norm:
+            self.q_norm = RMSNorm(a.head_dim, a.rms_norm_eps)
+            self.k_norm = RMSNorm(a.head_dim, a.rms_norm_eps)
 
     def forward(self, x, cos, sin, k_cache, v_cache, batch: AttnBatch) -> torch.Tensor:
         """Attend ``x`` ``[B, S, H]`` after writing its keys/values into the cache (see ``AttnBatch``)."""
         bsz, seq, _ = x.shape
         a = self.a
         gqa = a.num_kv_heads != a.num_heads
-        q = self.q_proj(x).view(bsz, seq, a.num_heads, a.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(bsz, seq, a.num_kv_heads, a.head_dim).transpose(1, 2)
+        q = self.q_proj(x).view(bsz, seq, a.num_heads, a.head_dim)
+        k = self.k_proj(x).view(bsz, seq, a.num_kv_heads, a.head_dim)
+        if a.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(x).view(bsz, seq, a.num_kv_heads, a.head_dim).transpose(1, 2)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
@@ -178,11 +230,11 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU feed-forward."""
 
-    def __init__(self, a: LlamaArgs):
+    def __init__(self, hidden_size: int, intermediate_size: int):
         super().__init__()
-        self.gate_proj = nn.Linear(a.hidden_size, a.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(a.hidden_size, a.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(a.intermediate_size, a.hidden_size, bias=False)
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``down(silu(gate(x)) * up(x))``."""
@@ -190,15 +242,15 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm attention + MLP block."""
+    """Pre-norm attention + feed-forward block (a sparse MoE in the layers of ``moe_layers``)."""
 
-    def __init__(self, a: LlamaArgs):
+    def __init__(self, a: LlamaArgs, index: int):
         super().__init__()
         self.self_attn = Attention(a)
         self.mlp = (
-            SparseMoE(a.hidden_size, a.intermediate_size, a.num_experts, a.top_k, a.norm_topk_prob)
-            if a.num_experts
-            else MLP(a)
+            SparseMoE(a.hidden_size, a.moe_intermediate_size, a.num_experts, a.top_k, a.norm_topk_prob)
+            if index in a.moe_layers
+            else MLP(a.hidden_size, a.intermediate_size)
         )
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
@@ -213,7 +265,7 @@ class _Backbone(nn.Module):
     def __init__(self, a: LlamaArgs):
         super().__init__()
         self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(a) for _ in range(a.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(a, i) for i in range(a.num_layers))
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
 
 
@@ -239,10 +291,10 @@ class KVCache:
 
 
 class LlamaModel(nn.Module):
-    """Llama/Qwen2/Mixtral causal LM with HF parameter names.
+    """Llama/Qwen2/Qwen3/Mixtral/Qwen3-MoE causal LM with HF parameter names.
 
-    A Mixtral model records the experts each token was routed to: after ``prefill``/``decode``,
-    ``last_routes`` is ``[rows, S, num_layers, top_k]`` (``S`` = 1 for decode); None for a dense model.
+    An MoE model records the experts each token was routed to: after ``prefill``/``decode``, ``last_routes`` is
+    ``[rows, S, len(moe_layers), top_k]`` (``S`` = 1 for decode; its MoE layers only, in order); None for a dense one.
     """
 
     def __init__(self, a: LlamaArgs):
@@ -257,12 +309,17 @@ class LlamaModel(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     @classmethod
-    def from_hf_dir(cls, path: str | Path, dtype: torch.dtype = torch.float32) -> LlamaModel:
-        """Build from an HF directory holding ``config.json`` and ``*.safetensors``."""
+    def from_hf_dir(cls, path: str | Path, dtype: torch.dtype = torch.float32, family: str | None = None) -> LlamaModel:
+        """Build from an HF directory holding ``config.json`` and ``*.safetensors``.
+
+        ``family``: read the config as this ``FAMILIES`` entry whatever its ``model_type`` (a fine-tune or a
+        derived architecture published under its own model type over one of these layouts).
+        """
         from safetensors.torch import load_file
 
         path = Path(path)
-        args = LlamaArgs.from_hf_config(json.loads((path / "config.json").read_text()))
+        cfg = json.loads((path / "config.json").read_text())
+        args = LlamaArgs.from_hf_config({**cfg, "model_type": family or cfg.get("model_type")})
         with torch.device("meta"):
             model = cls(args)
         model = model.to_empty(device="cpu")
@@ -272,7 +329,7 @@ class LlamaModel(nn.Module):
         state = {}
         for f in sorted(path.glob("*.safetensors")):
             state.update(load_file(f))
-        if args.num_experts:
+        if args.moe_layers:
             state = fuse_checkpoint_experts(state, args.num_experts)
         if args.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight
@@ -301,10 +358,11 @@ class LlamaModel(nn.Module):
         sin = emb.sin().to(x.dtype)[:, None]
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, cache.k[i], cache.v[i], batch)
-        if self.args.num_experts:  # uint8 while experts fit: a route per token and layer costs k bytes
-            routes = torch.stack([layer.mlp.last_routes for layer in self.model.layers], dim=1)
+        moe = self.args.moe_layers
+        if moe:  # uint8 while experts fit: a route per token and MoE layer costs k bytes
+            routes = torch.stack([self.model.layers[i].mlp.last_routes for i in moe], dim=1)
             dtype = torch.uint8 if self.args.num_experts <= 256 else torch.int16
-            self.last_routes = routes.to(dtype).view(*input_ids.shape, self.args.num_layers, self.args.top_k)
+            self.last_routes = routes.to(dtype).view(*input_ids.shape, len(moe), self.args.top_k)
         return x
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:

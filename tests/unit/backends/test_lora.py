@@ -60,9 +60,12 @@ def test_only_adapters_train_and_only_adapters_sync(tiny_model_path, parallel, c
     assert plan.total_bytes < full * 4 / 10  # a tenth of the fp32 base at most on the tiny model
 
 
-def test_engine_with_synced_adapter_matches_the_trainer(tiny_model_path):
-    """Trained adapter -> engine (unmerged LoRA): the engine's sampled-token logprobs equal the trainer's (fp32)."""
-    backend = _lora_backend(tiny_model_path, target_modules=ALL_LINEAR)
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_engine_with_synced_adapter_matches_the_trainer(family, request):
+    """Trained adapter -> engine (unmerged LoRA): the engine's sampled-token logprobs equal the trainer's (fp32).
+    On Qwen3-MoE the adapters sit on the attention projections (see the next test)."""
+    tiny_model_path = request.getfixturevalue("tiny_model_path" if family == "llama" else "tiny_qwen3_moe_path")
+    backend = _lora_backend(tiny_model_path, target_modules=ALL_LINEAR if family == "llama" else ALL_LINEAR[:4])
     for _ in range(2):  # two steps: A and B both non-zero
         _train(backend)
     plan = backend.sync_plan(torch.float32, 1 << 20)
@@ -86,6 +89,12 @@ def test_engine_with_synced_adapter_matches_the_trainer(tiny_model_path):
     assert engine.weights_checksum(plan.names) == named_tensors_checksum(sent) != engine.weights_checksum()
     with pytest.raises(ValueError, match="one adapter spec per run"):
         engine.install_adapter(plan.adapter.__class__(rank=8, scaling=1.0, target_modules=("q_proj",)))
+
+
+def test_adapters_on_fused_moe_experts_are_refused(tiny_qwen3_moe_path):
+    """peft maps gate/up/down_proj of an MoE model onto its 3-D expert tensors, which no engine takes adapters on."""
+    with pytest.raises(ValueError, match="put adapters on model.layers.0.mlp.experts.*target the attention"):
+        _lora_backend(tiny_qwen3_moe_path, target_modules=ALL_LINEAR)
 
 
 def test_merged_export_and_peft_adapter_equal_the_policy(tiny_model_path, tmp_path):

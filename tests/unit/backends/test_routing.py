@@ -17,10 +17,16 @@ from .test_torch_backend import process_group  # noqa: F401  (module-scoped gloo
 PROMPT = [5, 17, 42, 99, 7]
 
 
+@pytest.fixture(scope="module", params=["mixtral", "qwen3_moe"])
+def moe_path(request):
+    """The tiny Mixtral (every layer sparse) and the tiny Qwen3-MoE (a dense layer between its two sparse ones)."""
+    return request.getfixturevalue("tiny_moe_path" if request.param == "mixtral" else "tiny_qwen3_moe_path")
+
+
 @pytest.fixture(scope="module")
-def rollout(tiny_moe_path):
+def rollout(moe_path):
     """Four sampled responses of the tiny MoE (fp32 engine) as samples carrying their routes."""
-    engine = EmbeddedEngine(EmbeddedEngineConfig(model_path=tiny_moe_path, max_batch_size=8, max_seq_len=64))
+    engine = EmbeddedEngine(EmbeddedEngineConfig(model_path=moe_path, max_batch_size=8, max_seq_len=64))
     request = GenerateRequest(prompt_ids=PROMPT, params=SamplingParams(n=4, max_new_tokens=10, seed=1))
     [out] = engine.generate([request])
     samples = [
@@ -30,9 +36,11 @@ def rollout(tiny_moe_path):
     return out, samples
 
 
-def _backend(path, replay: bool, checkpointing=False, lr=1e-2, packing="default") -> TorchBackend:
+def _backend(path, replay: bool, checkpointing=False, lr=1e-2, packing="default", parallel="fsdp2") -> TorchBackend:
     extra = {} if packing == "default" else {"packing": packing}
-    cfg = TorchBackendConfig(routing_replay=replay, gradient_checkpointing=checkpointing, micro_batch_size=2, **extra)
+    cfg = TorchBackendConfig(
+        routing_replay=replay, gradient_checkpointing=checkpointing, micro_batch_size=2, parallel=parallel, **extra
+    )
     return TorchBackend(cfg, OptimizerConfig(lr=lr), path)
 
 
@@ -59,11 +67,11 @@ def test_engine_records_a_route_for_every_fed_token(rollout):
     assert batch.shard(1, 2).routes.shape[0] == 2
 
 
-def test_replayed_routes_are_exactly_the_recorded_ones(tiny_moe_path, rollout):
+def test_replayed_routes_are_exactly_the_recorded_ones(moe_path, rollout):
     """fp32: trainer logprobs equal the engine's with replay; forced foreign routes are used as given (one padded
     row per sample, so the experts used line up with the batch's routes)."""
     _, samples = rollout
-    backend = _backend(tiny_moe_path, replay=True, packing=None)
+    backend = _backend(moe_path, replay=True, packing=None)
     used = _capture(backend)
     batch = RolloutBatch.from_samples(samples, pad_id=0)
     lp = logprobs(backend, batch, temperature=1.0)
@@ -90,13 +98,13 @@ def test_replayed_routes_are_exactly_the_recorded_ones(tiny_moe_path, rollout):
     assert recorded_pairs == int((fbatch.routes[..., 0] >= 0).sum()) and differ > 0.9 * recorded_pairs
 
 
-def test_packed_forward_replays_the_routes_of_every_packed_token(tiny_moe_path, rollout):
+def test_packed_forward_replays_the_routes_of_every_packed_token(moe_path, rollout):
     """Packed with a shared prompt: the router sees each token once at its packed position, with its recorded route
     (the prompt's from the one prefill every sample shares), and the logprobs still equal the engine's."""
     from miles_ray.backends.packing import pack_rows
 
     _, samples = rollout
-    backend = _backend(tiny_moe_path, replay=True)
+    backend = _backend(moe_path, replay=True)
     used = _capture(backend)
     forced = [
         Sample(s.prompt_ids, s.response_ids, s.rollout_logprobs, routes=(s.routes.long() + 3) % 8) for s in samples
@@ -110,15 +118,15 @@ def test_packed_forward_replays_the_routes_of_every_packed_token(tiny_moe_path, 
         want = packed.routes.reshape(-1, num_layers, 2).long()
         recorded = want[..., 0] >= 0
         assert recorded.sum() > 0 and torch.equal(got.view_as(want)[recorded], want[recorded])
-    own = _backend(tiny_moe_path, replay=True)
+    own = _backend(moe_path, replay=True)
     plain = RolloutBatch.from_samples(samples, pad_id=0)
     m = plain.response_mask > 0
     torch.testing.assert_close(logprobs(own, plain, 1.0)[m], plain.rollout_logprobs[m], atol=1e-4, rtol=1e-4)
 
 
-def test_without_replay_the_trainer_routes_itself_and_counts_the_mismatch(tiny_moe_path, rollout):
+def test_without_replay_the_trainer_routes_itself_and_counts_the_mismatch(moe_path, rollout):
     _, samples = rollout
-    backend = _backend(tiny_moe_path, replay=False)
+    backend = _backend(moe_path, replay=False)
     forced = [
         Sample(s.prompt_ids, s.response_ids, s.rollout_logprobs, routes=(s.routes.long() + 3) % 8) for s in samples
     ]
@@ -130,11 +138,11 @@ def test_without_replay_the_trainer_routes_itself_and_counts_the_mismatch(tiny_m
     assert recorded > 0 and differ > 0.9 * recorded
 
 
-@pytest.mark.parametrize("checkpointing", [False, True])
-def test_train_step_with_replay_trains_the_router(tiny_moe_path, rollout, checkpointing):
+@pytest.mark.parametrize("parallel,checkpointing", [("fsdp2", False), ("fsdp2", True), ("ddp", False)])
+def test_train_step_with_replay_trains_the_router(moe_path, rollout, parallel, checkpointing):
     """Replay keeps the trainer's router weights at the replayed experts, so the router still learns."""
     _, samples = rollout
-    backend = _backend(tiny_moe_path, replay=True, checkpointing=checkpointing)
+    backend = _backend(moe_path, replay=True, checkpointing=checkpointing, parallel=parallel)
     batch = RolloutBatch.from_samples(samples, pad_id=0)
     batch.advantages = compute_advantages(GRPOAdvantageConfig(), batch.rewards, torch.zeros(4), batch.response_mask)
     router = backend.routes.routers[0].weight
@@ -145,10 +153,10 @@ def test_train_step_with_replay_trains_the_router(tiny_moe_path, rollout, checkp
     assert not torch.equal(before, after.detach())
 
 
-def test_replay_errors_name_the_cause(tiny_model_path, tiny_moe_path, rollout):
+def test_replay_errors_name_the_cause(tiny_model_path, moe_path, rollout):
     with pytest.raises(ValueError, match="routing replay needs an MoE model"):
         _backend(tiny_model_path, replay=True)
-    backend = _backend(tiny_moe_path, replay=True)
+    backend = _backend(moe_path, replay=True)
     _, samples = rollout
     bare = [Sample(s.prompt_ids, s.response_ids, s.rollout_logprobs) for s in samples]
     with pytest.raises(ValueError, match="routing_replay is on but the batch carries no routes"):

@@ -237,3 +237,29 @@ def test_compiled_layers_give_the_eager_step(tiny_model_path):
     assert compiled["loss"] == pytest.approx(eager["loss"], abs=1e-6)
     assert compiled["grad_norm"] == pytest.approx(eager["grad_norm"], rel=1e-4)
     torch.testing.assert_close(d_compiled, d_eager, atol=1e-5, rtol=1e-3)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
+def test_qwen3_families_under_fsdp2_and_ddp(family, request):
+    """Qwen3 and Qwen3-MoE through HF: packed logprobs equal a plain HF forward; FSDP2 and DDP take the same step."""
+    from transformers import AutoModelForCausalLM
+
+    path = request.getfixturevalue("tiny_qwen3_path" if family == "qwen3" else "tiny_qwen3_moe_path")
+    batch = _batch(GRPOAdvantageConfig())
+    hf = AutoModelForCausalLM.from_pretrained(path).eval()
+    with torch.no_grad():
+        logits = hf(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
+    ref = torch.log_softmax(logits, -1).gather(-1, batch.input_ids[:, 1:, None])[..., 0]
+    m = batch.response_mask > 0
+    steps = {}
+    for parallel in ("fsdp2", "ddp"):
+        torch.manual_seed(0)
+        config = TorchBackendConfig(parallel=parallel, micro_batch_size=4)
+        backend = TorchBackend(config, OptimizerConfig(lr=1e-3), path)
+        torch.testing.assert_close(logprobs(backend, batch, temperature=1.0)[m], ref[m], atol=1e-5, rtol=1e-5)
+        before = _params(backend)
+        steps[parallel] = (_step(backend).update(batch), _params(backend) - before)
+    (fsdp, d_fsdp), (ddp, d_ddp) = steps["fsdp2"], steps["ddp"]
+    assert fsdp["grad_norm"] > 0 and fsdp["loss"] == pytest.approx(ddp["loss"], abs=1e-6)
+    assert fsdp["grad_norm"] == pytest.approx(ddp["grad_norm"], rel=1e-4)
+    torch.testing.assert_close(d_fsdp, d_ddp, atol=1e-5, rtol=1e-3)

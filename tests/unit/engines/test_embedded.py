@@ -360,3 +360,33 @@ def test_cuda_engine_samples_what_the_cpu_engine_samples(tiny_model_path, engine
     for x, y in zip(a.completions, b.completions):
         assert x.token_ids == y.token_ids
         torch.testing.assert_close(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
+def test_qwen3_families_batch_share_prefixes_and_match_hf(family, request):
+    """Qwen3 / Qwen3-MoE in the engine: fp32 logprobs equal HF's teacher-forced ones under continuous batching,
+    and prefix sharing gives the same samples and (MoE) the same routes as prefilling every sample."""
+    from transformers import AutoModelForCausalLM
+
+    path = request.getfixturevalue("tiny_qwen3_path" if family == "qwen3" else "tiny_qwen3_moe_path")
+    hf = AutoModelForCausalLM.from_pretrained(path).eval()
+    requests = [
+        GenerateRequest(PROMPT, SamplingParams(n=3, max_new_tokens=12, ignore_eos=True, seed=3)),
+        GenerateRequest(list(range(5, 25)), SamplingParams(n=2, max_new_tokens=6, seed=4)),
+    ]
+    outs = {}
+    for sharing in (True, False):
+        config = EmbeddedEngineConfig(model_path=path, max_batch_size=8, max_seq_len=64, prefix_sharing=sharing)
+        outs[sharing] = EmbeddedEngine(config).generate(requests)
+    for r, shared, unshared in zip(requests, outs[True], outs[False]):
+        for c, u in zip(shared.completions, unshared.completions):
+            assert c.token_ids == u.token_ids
+            with torch.no_grad():
+                logits = hf(input_ids=torch.tensor([r.prompt_ids + c.token_ids])).logits[0, len(r.prompt_ids) - 1 : -1]
+            ref = torch.log_softmax(logits, -1).gather(1, torch.tensor(c.token_ids)[:, None])[:, 0]
+            torch.testing.assert_close(torch.tensor(c.logprobs), ref, atol=1e-5, rtol=1e-5)
+            if family == "qwen3_moe":  # a route for each fed token and each of the 2 MoE layers (layer 1 is dense)
+                assert c.routes.shape == (len(r.prompt_ids) + len(c.token_ids) - 1, 2, 2)
+                assert torch.equal(c.routes, u.routes)
+            else:
+                assert c.routes is None

@@ -1,4 +1,4 @@
-"""The engine's Mixtral spec: logits equal HF's, recorded routes equal HF's router choices, checkpoint mapping."""
+"""The engine's MoE specs (Mixtral, Qwen3-MoE): logits and router choices equal HF's, checkpoint mapping."""
 
 import pytest
 import torch
@@ -7,18 +7,20 @@ from miles_ray.models import build_engine_model
 from miles_ray.models.moe import fuse_checkpoint_experts
 
 
-def test_prefill_decode_and_routes_match_hf(tiny_moe_path):
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_prefill_decode_and_routes_match_hf(family, tiny_moe_path, tiny_qwen3_moe_path):
+    """Qwen3-MoE's dense layer 1 records no route: routes are per MoE layer, as HF's routers are."""
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(tiny_moe_path, dtype=torch.float32).eval()
-    model = build_engine_model(tiny_moe_path)
+    from miles_ray.backends.routing import find_routers
+
+    path = tiny_moe_path if family == "mixtral" else tiny_qwen3_moe_path
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = build_engine_model(path)
     assert {n for n, _ in model.named_parameters()} == {n for n, _ in hf.named_parameters()}  # sync names
     seen = []  # HF router choices, layer by layer
-    hooks = [
-        m.register_forward_hook(lambda _m, _a, out: seen.append(out[2]))
-        for m in hf.modules()
-        if type(m).__name__ == "MixtralTopKRouter"
-    ]
+    hooks = [m.register_forward_hook(lambda _m, _a, out: seen.append(out[2])) for m in find_routers(hf)]
+    assert len(hooks) == 2
     torch.manual_seed(0)
     prompt = torch.randint(0, 1000, (7,))
     cache = model.new_cache(num_slots=1, slot_len=16)
@@ -68,6 +70,6 @@ def test_sliding_window_mixtral_is_refused(tmp_path):
     cfg = {"model_type": "mixtral", "sliding_window": 4096, "vocab_size": 8, "hidden_size": 8}
     with pytest.raises(ValueError, match="sliding_window=4096"):
         LlamaArgs.from_hf_config(cfg)
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_moe"}))
-    with pytest.raises(ValueError, match="qwen3_moe"):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "deepseek_v3"}))
+    with pytest.raises(ValueError, match="model_type 'deepseek_v3' has no embedded-engine model spec"):
         build_engine_model(tmp_path)

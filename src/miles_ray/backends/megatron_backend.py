@@ -1,4 +1,4 @@
-"""Megatron-core training backend: a GPT model built from an HF Llama/Qwen2, tensor parallel, Megatron's optimizer.
+"""Megatron-core training backend: a GPT built from an HF Llama/Qwen2/Qwen3 (or MoE), TP, Megatron's optimizer.
 
 One trainer rank per process, as with the torch backend: ranks form ``TP x DP`` groups (``parallel_state``),
 each TP group holds one model split across its ranks and trains on one data-parallel shard. The model is
@@ -22,7 +22,6 @@ Usage (inside a rank whose ``torch.distributed`` default group spans all trainer
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 from pathlib import Path
@@ -33,9 +32,10 @@ import torch.distributed as dist
 from pydantic import Field, model_validator
 
 from miles_ray.backends import megatron_cpu
-from miles_ray.backends.megatron_convert import GPTShape, hf_to_megatron, megatron_source, megatron_to_hf
+from miles_ray.backends.megatron_convert import GPTShape, hf_to_megatron, megatron_sources, megatron_to_hf
 from miles_ray.backends.optimizer import OptimizerConfig
 from miles_ray.backends.packing import MicroBatchConfig, micro_batches_of, pack_rows
+from miles_ray.backends.routing import MegatronRouteTracker, track_routes
 from miles_ray.backends.torch_parallel import DataParallelOps, load_rng, save_rng
 from miles_ray.config import StrictConfig
 from miles_ray.devices import rank_device
@@ -46,10 +46,12 @@ from miles_ray.types import RolloutBatch
 # TransformerConfig fields this backend sets itself (from the HF config or the typed fields below)
 _OWNED = set(
     """num_layers hidden_size num_attention_heads num_query_groups ffn_hidden_size kv_channels normalization
-    gated_linear_unit activation_func add_bias_linear add_qkv_bias layernorm_epsilon tensor_model_parallel_size
+    gated_linear_unit activation_func add_bias_linear add_qkv_bias qk_layernorm layernorm_epsilon
+    tensor_model_parallel_size
     pipeline_model_parallel_size context_parallel_size expert_model_parallel_size sequence_parallel
     recompute_granularity recompute_method recompute_num_layers params_dtype bf16 use_cpu_initialization
-    gradient_accumulation_fusion""".split()
+    gradient_accumulation_fusion num_moe_experts moe_layer_freq moe_router_topk moe_ffn_hidden_size
+    moe_router_pre_softmax moe_router_score_function moe_router_dtype""".split()
 )
 
 
@@ -91,10 +93,14 @@ class MegatronBackendConfig(MicroBatchConfig):
         description="More megatron TransformerConfig fields, passed as is (checked against TransformerConfig at "
         "setup); the architecture and the fields above are set from the HF config and may not be given here.",
     )
-    # the trainer reads these of any backend config; Megatron has no LoRA, low-precision recipe or MoE replay yet
+    routing_replay: bool = Field(
+        False,
+        description="MoE: route every token through the experts the rollout engine recorded for it (R3), weighted "
+        "by the trainer's router; off, the routes are only compared (moe_route_mismatch_frac).",
+    )
+    # the trainer reads these of any backend config; Megatron has no LoRA or low-precision recipe yet
     lora: None = Field(None, description="LoRA is not supported by the Megatron backend yet (None).")
     weight_format: None = Field(None, description="Low-precision recipes are not supported here yet (None).")
-    routing_replay: Literal[False] = Field(False, description="MoE routing replay is not supported here yet.")
 
     @model_validator(mode="after")
     def _check_args(self) -> MegatronBackendConfig:
@@ -124,6 +130,7 @@ def _transformer_config(hf: dict, args: LlamaArgs, config: MegatronBackendConfig
         "apply_rope_fusion": False,
         "masked_softmax_fusion": False,
         "persist_layer_norm": False,
+        **(_MOE_DEFAULTS if args.moe_layers else {}),
         **config.transformer_args,
     }
     return TransformerConfig(
@@ -139,6 +146,7 @@ def _transformer_config(hf: dict, args: LlamaArgs, config: MegatronBackendConfig
         activation_func=torch.nn.functional.silu,
         add_bias_linear=False,
         add_qkv_bias=args.attention_bias,
+        qk_layernorm=args.qk_norm,
         tensor_model_parallel_size=p.tensor_model_parallel_size,
         pipeline_model_parallel_size=p.pipeline_model_parallel_size,
         context_parallel_size=p.context_parallel_size,
@@ -151,8 +159,37 @@ def _transformer_config(hf: dict, args: LlamaArgs, config: MegatronBackendConfig
         bf16=bf16,
         use_cpu_initialization=True,
         gradient_accumulation_fusion=False,
+        **_moe_args(args),
         **extra,
     )
+
+
+def _moe_args(args: LlamaArgs) -> dict:
+    """Megatron's MoE settings for an HF MoE config: HF's routing, megatron-core's layers (empty for a dense model).
+
+    HF routes by softmax over all experts then top-k, renormalised with ``norm_topk_prob``; Megatron's router
+    without ``pre_softmax`` takes the top-k logits then a softmax over them, which is the renormalised form, and
+    with it the plain one. No load-balancing loss (HF trains without one unless ``output_router_logits``).
+    """
+    if not args.moe_layers:
+        return {}
+    return {
+        "num_moe_experts": args.num_experts,
+        "moe_layer_freq": [int(i in args.moe_layers) for i in range(args.num_layers)],
+        "moe_router_topk": args.top_k,
+        "moe_ffn_hidden_size": args.moe_intermediate_size,
+        "moe_router_pre_softmax": not args.norm_topk_prob,
+        "moe_router_score_function": "softmax",
+        "moe_router_dtype": "fp32",
+    }
+
+
+# MoE settings a user may change through transformer_args (e.g. an auxiliary load-balancing loss)
+_MOE_DEFAULTS = {
+    "moe_router_load_balancing_type": "none",
+    "moe_aux_loss_coeff": 0.0,
+    "moe_token_dispatcher_type": "allgather",
+}
 
 
 def build_gpt(model_path: str, config: MegatronBackendConfig):
@@ -167,8 +204,10 @@ def build_gpt(model_path: str, config: MegatronBackendConfig):
     """
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
     from safetensors.torch import load_file
+
+    from miles_ray.models.moe import fuse_checkpoint_experts
 
     hf = json.loads((Path(model_path) / "config.json").read_text())
     shape = GPTShape.from_hf_config(hf)  # refuses what the Megatron spec does not cover
@@ -177,9 +216,15 @@ def build_gpt(model_path: str, config: MegatronBackendConfig):
     tp = config.parallel.tensor_model_parallel_size
     if args.vocab_size % tp:
         raise ValueError(f"vocab_size={args.vocab_size} does not split over tensor_model_parallel_size={tp}")
+    if args.moe_layers and tp > 1:
+        raise ValueError(f"MoE models train at tensor_model_parallel_size=1 in the Megatron backend yet, got {tp}")
+    if args.moe_layers:  # dense and MoE layers as moe_layer_freq says
+        spec = get_gpt_decoder_block_spec(tconfig, use_transformer_engine=False, normalization="RMSNorm")
+    else:
+        spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=args.qk_norm)
     model = GPTModel(
         config=tconfig,
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        transformer_layer_spec=spec,
         vocab_size=args.vocab_size,
         max_sequence_length=hf.get("max_position_embeddings", 4096),
         position_embedding_type="rope",
@@ -189,6 +234,8 @@ def build_gpt(model_path: str, config: MegatronBackendConfig):
     state = {}
     for f in sorted(Path(model_path).glob("*.safetensors")):
         state.update(load_file(f))
+    if args.moe_layers:  # HF's in-memory (fused) expert names: what engines hold and syncs send
+        state = fuse_checkpoint_experts(state, args.num_experts)
     tied = shape.tie_word_embeddings
     hf_shapes = {n: tuple(t.shape) for n, t in state.items() if not (tied and n == "lm_head.weight")}
     shard = hf_to_megatron(state, shape, tp, ps.get_tensor_model_parallel_rank())
@@ -298,6 +345,9 @@ class MegatronBackend(DataParallelOps):
         module, self.shape, self.hf_shapes = build_gpt(model_path, config)
         self.hf_model = module.to(self.device)
         _rope_at_positions(self.hf_model.rotary_pos_emb)  # packed rows give every token its own position
+        self.routes = None  # MoE: the rollout's routes compared, or replayed with config.routing_replay
+        if config.routing_replay or self.shape.moe_layers:
+            self.routes = MegatronRouteTracker(self.hf_model, replay=config.routing_replay)
         ddp = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
         )
@@ -317,12 +367,19 @@ class MegatronBackend(DataParallelOps):
         self.model.train(mode)
 
     def micro_batch(self, batch: RolloutBatch):
-        """Nothing to track around a micro-batch: no MoE routing replay here yet."""
-        return contextlib.nullcontext()
+        """Context for a forward (and its backward) over ``batch``: compare / replay its routes (MoE).
 
-    def route_counts(self) -> None:
-        """No MoE routes are tracked here yet."""
-        return None
+        Raises:
+            ValueError: with ``routing_replay`` on and a batch that carries no routes.
+
+        """
+        p = self.config.packing
+        packed = None if self.routes is None or p is None else pack_rows(batch, p.share_prefix, p.max_row_tokens)
+        return track_routes(self.routes, batch, packed, self.config.routing_replay)
+
+    def route_counts(self) -> tuple[float, float] | None:
+        """MoE: ``(differing, recorded)`` (token, layer) expert sets since the last call, reset; else None."""
+        return None if self.routes is None else self.routes.take_mismatch()
 
     def forward_logprobs(self, batch: RolloutBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
         """``[B, T-1]`` next-token logprobs and entropies (vocab-parallel) of the trained tokens, 0 elsewhere.
@@ -389,7 +446,7 @@ class MegatronBackend(DataParallelOps):
             return {}
         local = self.hf_model.state_dict()
         wanted = (
-            {megatron_source(n) for n in names}
+            {source for n in names for source in megatron_sources(n, self.shape)}
             if names is not None
             else {n for n in local if not n.endswith("._extra_state")}
         )

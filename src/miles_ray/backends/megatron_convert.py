@@ -1,4 +1,4 @@
-"""HF Llama/Qwen2 <-> megatron-core GPT weights: names, layouts and tensor-parallel splits (pure functions).
+"""HF Llama/Qwen2/Qwen3/Mixtral/Qwen3-MoE <-> megatron-core GPT weights: names, layouts, TP splits (pure functions).
 
 Megatron's local-spec GPT names and layouts, per TP rank ``r`` of ``tp``:
 
@@ -7,7 +7,11 @@ Megatron's local-spec GPT names and layouts, per TP rank ``r`` of ``tp``:
   (each ``head_dim`` rows per head), groups split over ranks; ``.bias`` likewise (Qwen2).
 - ``linear_proj`` (o_proj) and ``mlp.linear_fc2`` (down_proj): input columns split.
 - ``mlp.linear_fc1.weight``: ``[gate rows of rank r, up rows of rank r]`` (SwiGLU halves split separately).
-- norms: replicated (``input_layernorm``, ``pre_mlp_layernorm``, ``decoder.final_layernorm``).
+- MoE layers: ``mlp.router.weight`` (HF ``mlp.gate.weight``, replicated) and, per expert ``e``,
+  ``mlp.experts.local_experts.e.linear_fc1/linear_fc2.weight``, cut from HF's fused ``mlp.experts.gate_up_proj``
+  ``[E, 2I, H]`` / ``down_proj`` ``[E, H, I]`` (the in-memory layout engines and syncs use) like a dense MLP's.
+- norms: replicated (``input_layernorm``, ``pre_mlp_layernorm``, ``decoder.final_layernorm``; Qwen3's per-head
+  ``self_attention.q_layernorm`` / ``k_layernorm``).
 
 ``hf_to_megatron`` gives one rank's shard; ``megatron_to_hf`` takes every rank's shard of each tensor (rank
 order) and rebuilds the HF tensors. Both only slice, concatenate and reshape, so a round trip is bit-exact.
@@ -33,25 +37,46 @@ class GPTShape:
     head_dim: int
     tie_word_embeddings: bool
     qkv_bias: bool
+    qk_norm: bool = False
+    num_experts: int = 0
+    moe_layers: tuple[int, ...] = ()  # layers with a sparse MoE feed-forward
 
     @classmethod
     def from_args(cls, a: LlamaArgs) -> GPTShape:
-        """From the parsed HF config of a dense Llama/Qwen2 (``LlamaArgs.from_hf_config``)."""
-        return cls(a.num_layers, a.num_heads, a.num_kv_heads, a.head_dim, a.tie_word_embeddings, a.attention_bias)
+        """From the parsed HF config (``LlamaArgs.from_hf_config``)."""
+        return cls(
+            a.num_layers,
+            a.num_heads,
+            a.num_kv_heads,
+            a.head_dim,
+            a.tie_word_embeddings,
+            a.attention_bias,
+            a.qk_norm,
+            a.num_experts,
+            a.moe_layers,
+        )
 
     @classmethod
     def from_hf_config(cls, cfg: dict) -> GPTShape:
-        """From an HF ``config.json`` dict of model_type ``llama`` or ``qwen2``.
+        """From an HF ``config.json`` dict of a model type in ``MEGATRON_FAMILIES``.
 
         Raises:
-            ValueError: for another model type, or what ``LlamaArgs.from_hf_config`` refuses.
+            ValueError: for another model type, an output-projection bias, or what ``LlamaArgs.from_hf_config``
+                refuses.
 
         """
-        if cfg.get("model_type") not in ("llama", "qwen2"):
+        if cfg.get("model_type") not in MEGATRON_FAMILIES:
             raise ValueError(
-                f"model_type must be 'llama' or 'qwen2' for the Megatron backend, got {cfg.get('model_type')!r}"
+                f"model_type must be one of {list(MEGATRON_FAMILIES)} for the Megatron backend, "
+                f"got {cfg.get('model_type')!r}"
             )
-        return cls.from_args(LlamaArgs.from_hf_config(cfg))
+        args = LlamaArgs.from_hf_config(cfg)
+        if args.o_bias:  # megatron's add_bias_linear would put biases on the MLP too
+            raise ValueError("attention_bias=True (an o_proj bias) is not supported by the Megatron backend")
+        return cls.from_args(args)
+
+
+MEGATRON_FAMILIES = ("llama", "qwen2", "qwen3", "mixtral", "qwen3_moe")
 
 
 _HF_LAYER = "model.layers.{}."
@@ -61,7 +86,11 @@ _DIRECT = {
     "input_layernorm.weight": ("input_layernorm.weight", None),
     "post_attention_layernorm.weight": ("pre_mlp_layernorm.weight", None),
     "self_attn.o_proj.weight": ("self_attention.linear_proj.weight", 1),
-    "mlp.down_proj.weight": ("mlp.linear_fc2.weight", 1),
+}
+_DENSE = {"mlp.down_proj.weight": ("mlp.linear_fc2.weight", 1)}  # gate/up: linear_fc1, below
+_QK_NORM = {
+    "self_attn.q_norm.weight": ("self_attention.q_layernorm.weight", None),
+    "self_attn.k_norm.weight": ("self_attention.k_layernorm.weight", None),
 }
 _TOP = {
     "model.embed_tokens.weight": ("embedding.word_embeddings.weight", 0),
@@ -104,43 +133,63 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], s: GPTShape, tp: int, rank: int)
         out[mg_name] = split(hf[hf_name], dim, hf_name)
     for i in range(s.num_layers):
         h, m = _HF_LAYER.format(i), _MG_LAYER.format(i)
-        for suffix, (mg_suffix, dim) in _DIRECT.items():
+        moe = i in s.moe_layers
+        direct = _DIRECT | (_QK_NORM if s.qk_norm else {}) | ({} if moe else _DENSE)
+        for suffix, (mg_suffix, dim) in direct.items():
             out[m + mg_suffix] = split(hf[h + suffix], dim, h + suffix)
         kinds = ("weight", "bias") if s.qkv_bias else ("weight",)
         for kind in kinds:
             blocks = _qkv_blocks(s, *(hf[f"{h}self_attn.{p}_proj.{kind}"] for p in "qkv"))
             mine = blocks.chunk(tp, dim=0)[rank]
             out[f"{m}self_attention.linear_qkv.{kind}"] = mine.reshape(-1, *blocks.shape[3:]).clone()
-        gate, up = hf[h + "mlp.gate_proj.weight"], hf[h + "mlp.up_proj.weight"]
-        out[m + "mlp.linear_fc1.weight"] = torch.cat(
-            [split(gate, 0, h + "mlp.gate_proj.weight"), split(up, 0, h + "mlp.up_proj.weight")]
-        )
+        if moe:
+            out[m + "mlp.router.weight"] = hf[h + "mlp.gate.weight"].clone()
+            gate_up, down = hf[h + "mlp.experts.gate_up_proj"], hf[h + "mlp.experts.down_proj"]
+            for e in range(s.num_experts):
+                expert, name = f"{m}mlp.experts.local_experts.{e}.", f"{h}mlp.experts[{e}]"
+                gate, up = gate_up[e].chunk(2, dim=0)
+                out[expert + "linear_fc1.weight"] = torch.cat([split(gate, 0, name), split(up, 0, name)])
+                out[expert + "linear_fc2.weight"] = split(down[e], 1, name)
+        else:
+            gate, up = hf[h + "mlp.gate_proj.weight"], hf[h + "mlp.up_proj.weight"]
+            out[m + "mlp.linear_fc1.weight"] = torch.cat(
+                [split(gate, 0, h + "mlp.gate_proj.weight"), split(up, 0, h + "mlp.up_proj.weight")]
+            )
     return out
 
 
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _HF_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_EXPERT_RE = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
+_FUSED = {"linear_fc1": "mlp.experts.gate_up_proj", "linear_fc2": "mlp.experts.down_proj"}
 
 
-def megatron_source(hf_name: str) -> str:
-    """The Megatron tensor an HF tensor is cut from (q/k/v share ``linear_qkv``, gate/up share ``linear_fc1``).
+def megatron_sources(hf_name: str, s: GPTShape) -> list[str]:
+    """The Megatron tensors an HF tensor is cut from.
+
+    q/k/v share ``linear_qkv``, gate/up share ``linear_fc1``, and a fused expert tensor comes from every expert's.
 
     Raises:
         ValueError: for an HF name it does not know.
 
     """
     if hf_name in _TOP:
-        return _TOP[hf_name][0]
+        return [_TOP[hf_name][0]]
     match = _HF_LAYER_RE.match(hf_name)
     if match:
         m, suffix = _MG_LAYER.format(match[1]), match[2]
-        if suffix in _DIRECT:
-            return m + _DIRECT[suffix][0]
+        if suffix in _DIRECT | _QK_NORM | _DENSE:
+            return [m + (_DIRECT | _QK_NORM | _DENSE)[suffix][0]]
         if suffix.startswith("self_attn.") and suffix.split(".")[1] in ("q_proj", "k_proj", "v_proj"):
-            return m + "self_attention.linear_qkv." + suffix.rsplit(".", 1)[1]
+            return [m + "self_attention.linear_qkv." + suffix.rsplit(".", 1)[1]]
         if suffix in ("mlp.gate_proj.weight", "mlp.up_proj.weight"):
-            return m + "mlp.linear_fc1.weight"
-    raise ValueError(f"megatron_source: unknown HF tensor {hf_name!r}")
+            return [m + "mlp.linear_fc1.weight"]
+        if suffix == "mlp.gate.weight":
+            return [m + "mlp.router.weight"]
+        fc = {v: k for k, v in _FUSED.items()}.get(suffix)
+        if fc is not None:
+            return [f"{m}mlp.experts.local_experts.{e}.{fc}.weight" for e in range(s.num_experts)]
+    raise ValueError(f"megatron_sources: unknown HF tensor {hf_name!r}")
 
 
 def megatron_to_hf(shards: dict[str, list[torch.Tensor]], s: GPTShape) -> dict[str, torch.Tensor]:
@@ -152,8 +201,9 @@ def megatron_to_hf(shards: dict[str, list[torch.Tensor]], s: GPTShape) -> dict[s
     """
     per = s.num_heads // s.num_kv_heads
     top = {mg: (hf, dim) for hf, (mg, dim) in _TOP.items()}
-    direct = {mg: (hf, dim) for hf, (mg, dim) in _DIRECT.items()}
+    direct = {mg: (hf, dim) for hf, (mg, dim) in (_DIRECT | _QK_NORM | _DENSE).items()}
     out = {}
+    experts: dict[str, dict[int, torch.Tensor]] = {}  # HF fused name -> expert -> its full tensor
     for name, parts in shards.items():
         if name in top:
             hf_name, dim = top[name]
@@ -174,9 +224,23 @@ def megatron_to_hf(shards: dict[str, list[torch.Tensor]], s: GPTShape) -> dict[s
             out[f"{h}self_attn.k_proj.{kind}"] = blocks[:, per].reshape(-1, *full.shape[1:]).clone()
             out[f"{h}self_attn.v_proj.{kind}"] = blocks[:, per + 1].reshape(-1, *full.shape[1:]).clone()
         elif suffix == "mlp.linear_fc1.weight":
-            halves = [p.chunk(2, dim=0) for p in parts]
-            out[h + "mlp.gate_proj.weight"] = torch.cat([g for g, _ in halves])
-            out[h + "mlp.up_proj.weight"] = torch.cat([u for _, u in halves])
+            out[h + "mlp.gate_proj.weight"], out[h + "mlp.up_proj.weight"] = _gate_up(parts)
+        elif suffix == "mlp.router.weight":
+            out[h + "mlp.gate.weight"] = parts[0].clone()
+        elif expert := _EXPERT_RE.match(suffix):
+            fc = expert[2]
+            full = torch.cat(_gate_up(parts)) if fc == "linear_fc1" else torch.cat(parts, dim=1)
+            experts.setdefault(h + _FUSED[fc], {})[int(expert[1])] = full
         else:
             raise ValueError(f"megatron_to_hf: unknown tensor {name!r}")
+    for hf_name, by_expert in experts.items():
+        if sorted(by_expert) != list(range(s.num_experts)):
+            raise ValueError(f"megatron_to_hf: {hf_name} needs experts 0..{s.num_experts - 1}, got {sorted(by_expert)}")
+        out[hf_name] = torch.stack([by_expert[e] for e in range(s.num_experts)])
     return out  # a tied LM head stays implicit, as in HF's named_parameters()
+
+
+def _gate_up(parts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Full gate and up rows from every TP rank's ``linear_fc1`` (each ``[gate rows of r, up rows of r]``)."""
+    halves = [p.chunk(2, dim=0) for p in parts]
+    return torch.cat([g for g, _ in halves]), torch.cat([u for _, u in halves])

@@ -22,7 +22,7 @@ import torch
 from miles_ray.backends.lora import adapter_tensors, base_tensors, inject_lora, merged_weight, set_adapters_enabled
 from miles_ray.backends.optimizer import OptimizerConfig
 from miles_ray.backends.packing import PackedBatch, pack_rows
-from miles_ray.backends.routing import RouteTracker, find_routers
+from miles_ray.backends.routing import RouteTracker, find_routers, track_routes
 from miles_ray.backends.torch_parallel import DataParallelModel, TorchBackendConfig, param_dtype
 from miles_ray.models.quant import apply_weight_format
 from miles_ray.sync.buckets import Bucket, SyncPlan, plan_buckets
@@ -82,15 +82,8 @@ class PolicyModel(DataParallelModel):
             ValueError: with ``routing_replay`` on and a batch that carries no routes.
 
         """
-        if self.routes is None:
-            return contextlib.nullcontext()
-        if batch.routes is None and self.config.routing_replay:
-            raise ValueError(
-                "backend.routing_replay is on but the batch carries no routes: the samples must come from embedded "
-                "engines serving the MoE model (vLLM engines and multi-turn samples record none)"
-            )
-        packed = self.packed(batch)
-        return self.routes.tracking(batch.routes if packed is None else packed.routes)  # as the forward feeds them
+        packed = None if self.routes is None else self.packed(batch)
+        return track_routes(self.routes, batch, packed, self.config.routing_replay)
 
     def route_counts(self) -> tuple[float, float] | None:
         """MoE: ``(differing, recorded)`` (token, layer) expert sets since the last call, reset; else None."""

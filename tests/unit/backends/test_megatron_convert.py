@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from miles_ray.backends.megatron_convert import GPTShape, hf_to_megatron, megatron_to_hf
+from miles_ray.backends.megatron_convert import GPTShape, hf_to_megatron, megatron_sources, megatron_to_hf
 
 
 def _random_hf(shape: GPTShape, hidden=32, inter=48, vocab=64, untied=False) -> dict[str, torch.Tensor]:
@@ -17,40 +17,62 @@ def _random_hf(shape: GPTShape, hidden=32, inter=48, vocab=64, untied=False) -> 
     q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
     for i in range(shape.num_layers):
         p = f"model.layers.{i}."
-        for name, rows, cols in (
+        mlp = [("mlp.gate_proj", inter, hidden), ("mlp.up_proj", inter, hidden), ("mlp.down_proj", hidden, inter)]
+        if i in shape.moe_layers:  # HF's in-memory MoE layout: router and fused experts
+            e = shape.num_experts
+            mlp = [("mlp.gate", e, hidden)]
+            hf[p + "mlp.experts.gate_up_proj"] = torch.randn(e, 2 * inter, hidden, generator=g)
+            hf[p + "mlp.experts.down_proj"] = torch.randn(e, hidden, inter, generator=g)
+        for name, rows, cols in [
             ("self_attn.q_proj", q, hidden),
             ("self_attn.k_proj", kv, hidden),
             ("self_attn.v_proj", kv, hidden),
             ("self_attn.o_proj", hidden, q),
-            ("mlp.gate_proj", inter, hidden),
-            ("mlp.up_proj", inter, hidden),
-            ("mlp.down_proj", hidden, inter),
-        ):
+            *mlp,
+        ]:
             hf[p + name + ".weight"] = torch.randn(rows, cols, generator=g)
         if shape.qkv_bias:
             for name, rows in (("q", q), ("k", kv), ("v", kv)):
                 hf[f"{p}self_attn.{name}_proj.bias"] = torch.randn(rows, generator=g)
+        if shape.qk_norm:
+            for name in ("q_norm", "k_norm"):
+                hf[f"{p}self_attn.{name}.weight"] = torch.randn(shape.head_dim, generator=g)
         hf[p + "input_layernorm.weight"] = torch.randn(hidden, generator=g)
         hf[p + "post_attention_layernorm.weight"] = torch.randn(hidden, generator=g)
     return hf
 
 
 @pytest.mark.parametrize("tp", [1, 2])
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3_moe"])
 def test_round_trip_is_bit_exact(tp, arch):
-    """Qwen2 (q/k/v biases, untied head) and Llama (GQA, tied head), each split over 1 and 2 TP ranks."""
+    """Qwen2 (q/k/v biases, untied head), Llama (GQA, tied head), Qwen3 (per-head q/k norms, untied) and Qwen3-MoE
+    (MoE layers 0 and 2 around a dense one: router, fused experts), each split over 1 and 2 TP ranks."""
+    moe = arch == "qwen3_moe"
     shape = GPTShape(
-        num_layers=2,
+        num_layers=3 if moe else 2,
         num_heads=4,
         num_kv_heads=2,
         head_dim=8,
         tie_word_embeddings=arch == "llama",
         qkv_bias=arch == "qwen2",
+        qk_norm=arch.startswith("qwen3"),
+        num_experts=4 if moe else 0,
+        moe_layers=(0, 2) if moe else (),
     )
-    hf = _random_hf(shape, untied=arch == "qwen2")
+    hf = _random_hf(shape, untied=arch != "llama")
     shards = [hf_to_megatron(hf, shape, tp, r) for r in range(tp)]
     assert set(shards[0]) == set(shards[-1])
-    assert ("output_layer.weight" in shards[0]) == (arch == "qwen2")
+    assert ("output_layer.weight" in shards[0]) == (arch != "llama")
+    assert ("decoder.layers.1.self_attention.k_layernorm.weight" in shards[0]) == shape.qk_norm
+    if moe:  # rank r's expert 3 holds its gate and up rows of rank r, and its down columns of rank r
+        expert = shards[-1]["decoder.layers.2.mlp.experts.local_experts.3.linear_fc1.weight"]
+        gate, up = hf["model.layers.2.mlp.experts.gate_up_proj"][3].chunk(2)
+        assert torch.equal(expert, torch.cat([gate.chunk(tp)[-1], up.chunk(tp)[-1]]))
+        down = shards[-1]["decoder.layers.2.mlp.experts.local_experts.3.linear_fc2.weight"]
+        assert torch.equal(down, hf["model.layers.2.mlp.experts.down_proj"][3].chunk(tp, dim=1)[-1])
+        assert "decoder.layers.1.mlp.router.weight" not in shards[0]  # the dense layer
+        sources = megatron_sources("model.layers.0.mlp.experts.down_proj", shape)
+        assert sources == [f"decoder.layers.0.mlp.experts.local_experts.{e}.linear_fc2.weight" for e in range(4)]
     assert shards[0]["decoder.layers.0.self_attention.linear_qkv.weight"].shape == (4 * 8 // tp * 2, 32)
     back = megatron_to_hf({n: [s[n] for s in shards] for n in shards[0]}, shape)
     assert set(back) == set(hf)
@@ -78,7 +100,17 @@ def test_errors_name_the_cause():
     shape = GPTShape(num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8, tie_word_embeddings=True, qkv_bias=False)
     with pytest.raises(ValueError, match="tensor_model_parallel_size=4 must divide num_key_value_heads=2"):
         hf_to_megatron(_random_hf(shape), shape, 4, 0)
-    with pytest.raises(ValueError, match="model_type must be 'llama' or 'qwen2' for the Megatron backend"):
-        GPTShape.from_hf_config({"model_type": "mixtral"})
-    with pytest.raises(ValueError, match="unknown tensor 'decoder.layers.0.mlp.router.weight'"):
-        megatron_to_hf({"decoder.layers.0.mlp.router.weight": [torch.zeros(1)]}, shape)
+    with pytest.raises(
+        ValueError, match="model_type must be one of \\['llama', 'qwen2', 'qwen3', 'mixtral', 'qwen3_moe'\\]"
+    ):
+        GPTShape.from_hf_config({"model_type": "deepseek_v3"})
+    cfg = {"vocab_size": 8, "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1}
+    cfg |= {"num_attention_heads": 2, "rms_norm_eps": 1e-6, "model_type": "llama", "attention_bias": True}
+    with pytest.raises(ValueError, match="attention_bias=True \\(an o_proj bias\\) is not supported"):
+        GPTShape.from_hf_config(cfg)
+    with pytest.raises(ValueError, match="unknown tensor 'decoder.layers.0.mlp.shared_experts.weight'"):
+        megatron_to_hf({"decoder.layers.0.mlp.shared_experts.weight": [torch.zeros(1)]}, shape)
+    moe = GPTShape(1, 4, 2, 8, True, False, num_experts=2, moe_layers=(0,))
+    one_expert = {"decoder.layers.0.mlp.experts.local_experts.1.linear_fc2.weight": [torch.zeros(2, 2)]}
+    with pytest.raises(ValueError, match="model.layers.0.mlp.experts.down_proj needs experts 0..1, got \\[1\\]"):
+        megatron_to_hf(one_expert, moe)

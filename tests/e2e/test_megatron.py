@@ -16,9 +16,10 @@ from miles_ray.actors import TrainerGroup, TrainerGroupConfig  # noqa: E402
 pytestmark = [pytest.mark.e2e, pytest.mark.megatron]
 
 
-def _megatron(path, tp, num_ranks=None, lr=1e-2):
-    backend = {"kind": "megatron", "parallel": {"tensor_model_parallel_size": tp}}
-    return TrainerGroupConfig(model_path=path, num_ranks=num_ranks or tp, optimizer={"lr": lr}, backend=backend)
+def _megatron(path, tp, num_ranks=None, lr=1e-2, ep=1):
+    parallel = {"tensor_model_parallel_size": tp, "expert_model_parallel_size": ep}
+    backend = {"kind": "megatron", "parallel": parallel}
+    return TrainerGroupConfig(model_path=path, num_ranks=num_ranks or tp * ep, optimizer={"lr": lr}, backend=backend)
 
 
 def _flat(lists):
@@ -108,3 +109,40 @@ def test_grpo_with_megatron_tp2_engines_get_the_weights(make_placement, tiny_mod
 
     checksums = grpo_in_step(stack.trainer, stack.router, stack.broadcaster, tiny_model_path, check=check)
     assert len(set(checksums)) == 2
+
+
+def test_ep2_equals_ep1_and_an_ep2_checkpoint_reloads_at_ep1(make_placement, tiny_qwen3_moe_path, tmp_path):
+    """Qwen3-MoE with its experts spread over 2 ranks (4 each; the ranks are data-parallel peers for the rest): the
+    same step as one rank holding all 8; the EP=2 checkpoint reloads at EP=1 and takes the same next step; the HF
+    export gathers every expert and transformers loads it with the trainer's logprobs."""
+    path = tiny_qwen3_moe_path
+    ep1 = TrainerGroup.remote(_megatron(path, 1), make_placement(placement.colocated(1)))
+    ep2 = TrainerGroup.remote(_megatron(path, 1, ep=2), make_placement(placement.colocated(2)))
+    batch = synthetic_group(0) + synthetic_group(1, first_token=7)
+    before1, before2 = ray.get([ep1.compute_logprobs.remote(batch), ep2.compute_logprobs.remote(batch)])
+    torch.testing.assert_close(_flat(before2), _flat(before1), atol=1e-5, rtol=1e-5)
+    m1, m2 = ray.get([ep1.train_step.remote(batch), ep2.train_step.remote(batch)])
+    for key in ("loss", "grad_norm", "entropy", "num_tokens"):
+        assert m2[key] == pytest.approx(m1[key], rel=1e-4, abs=1e-6), key  # the GRPO loss is ~0 at ratio 1
+    after1, after2 = ray.get([ep1.compute_logprobs.remote(batch), ep2.compute_logprobs.remote(batch)])
+    torch.testing.assert_close(_flat(after2), _flat(after1), atol=1e-5, rtol=1e-5)
+    assert (_flat(after2) - _flat(before2)).abs().max() > 1e-3
+
+    ray.get(ep2.save.remote(str(tmp_path / "ckpt")))  # dist_checkpointing: each rank writes its experts
+    fresh = TrainerGroup.remote(_megatron(path, 1), make_placement(placement.colocated(1)))
+    ray.get(fresh.load.remote(str(tmp_path / "ckpt")))  # all 8 experts on one rank, optimizer state included
+    torch.testing.assert_close(_flat(ray.get(fresh.compute_logprobs.remote(batch))), _flat(after2), atol=1e-6, rtol=0)
+    m_fresh, m_ep2 = ray.get([fresh.train_step.remote(batch), ep2.train_step.remote(batch)])
+    assert m_fresh["loss"] == pytest.approx(m_ep2["loss"], rel=1e-4, abs=1e-6)
+    assert m_fresh["grad_norm"] == pytest.approx(m_ep2["grad_norm"], rel=1e-4)
+
+    from transformers import AutoModelForCausalLM
+
+    ray.get(ep2.export_hf.remote(str(tmp_path / "hf"), "float32"))
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    samples = [s for g in ray.get([g.ref for g in batch]) for s in g]
+    for s, lp in zip(samples, ray.get(ep2.compute_logprobs.remote(batch))):
+        with torch.no_grad():
+            logits = hf(torch.tensor([s.prompt_ids + s.response_ids])).logits[0, len(s.prompt_ids) - 1 : -1]
+        ref = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(s.response_ids)[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(lp), ref, atol=1e-5, rtol=1e-5)

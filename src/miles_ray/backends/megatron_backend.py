@@ -32,7 +32,13 @@ import torch.distributed as dist
 from pydantic import Field, model_validator
 
 from miles_ray.backends import megatron_cpu
-from miles_ray.backends.megatron_convert import GPTShape, hf_to_megatron, megatron_sources, megatron_to_hf
+from miles_ray.backends.megatron_convert import (
+    GPTShape,
+    expert_on_rank,
+    hf_to_megatron,
+    megatron_sources,
+    megatron_to_hf,
+)
 from miles_ray.backends.optimizer import OptimizerConfig
 from miles_ray.backends.packing import MicroBatchConfig, micro_batches_of, pack_rows
 from miles_ray.backends.routing import MegatronRouteTracker, track_routes
@@ -61,7 +67,13 @@ class MegatronParallelConfig(StrictConfig):
     tensor_model_parallel_size: int = Field(1, ge=1, le=1024, description="TP: ranks one model is split across.")
     pipeline_model_parallel_size: int = Field(1, ge=1, le=1, description="PP: only 1 is supported yet.")
     context_parallel_size: int = Field(1, ge=1, le=1, description="CP: only 1 is supported yet.")
-    expert_model_parallel_size: int = Field(1, ge=1, le=1, description="EP: dense models only yet, so 1.")
+    expert_model_parallel_size: int = Field(
+        1,
+        ge=1,
+        le=1024,
+        description="EP: ranks an MoE layer's experts are spread over (each holds experts / EP of them); the ranks of "
+        "one expert-parallel group are data-parallel peers for everything else.",
+    )
     sequence_parallel: bool = Field(False, description="Shard norms/dropout activations over the TP ranks.")
     recompute_granularity: Literal["full", "selective"] | None = Field(
         None, description="Activation recompute: 'full' layers or 'selective' (attention core); None: off."
@@ -218,6 +230,9 @@ def build_gpt(model_path: str, config: MegatronBackendConfig):
         raise ValueError(f"vocab_size={args.vocab_size} does not split over tensor_model_parallel_size={tp}")
     if args.moe_layers and tp > 1:
         raise ValueError(f"MoE models train at tensor_model_parallel_size=1 in the Megatron backend yet, got {tp}")
+    ep = config.parallel.expert_model_parallel_size
+    if ep > 1 and not args.moe_layers:
+        raise ValueError(f"expert_model_parallel_size={ep} needs an MoE model; {model_path} is dense")
     if args.moe_layers:  # dense and MoE layers as moe_layer_freq says
         spec = get_gpt_decoder_block_spec(tconfig, use_transformer_engine=False, normalization="RMSNorm")
     else:
@@ -238,7 +253,8 @@ def build_gpt(model_path: str, config: MegatronBackendConfig):
         state = fuse_checkpoint_experts(state, args.num_experts)
     tied = shape.tie_word_embeddings
     hf_shapes = {n: tuple(t.shape) for n, t in state.items() if not (tied and n == "lm_head.weight")}
-    shard = hf_to_megatron(state, shape, tp, ps.get_tensor_model_parallel_rank())
+    ep, ep_rank = config.parallel.expert_model_parallel_size, ps.get_expert_model_parallel_rank()
+    shard = hf_to_megatron(state, shape, tp, ps.get_tensor_model_parallel_rank(), ep, ep_rank)
     dtype = tconfig.params_dtype
     missing, unexpected = model.load_state_dict({k: v.to(dtype) for k, v in shard.items()}, strict=False)
     missing = [m for m in missing if not m.endswith("._extra_state")]
@@ -321,16 +337,21 @@ class MegatronBackend(DataParallelOps):
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
         megatron_cpu.apply()
-        tp = config.parallel.tensor_model_parallel_size
+        tp, ep = config.parallel.tensor_model_parallel_size, config.parallel.expert_model_parallel_size
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         if self.world_size % tp:
             raise ValueError(f"tensor_model_parallel_size={tp} must divide the trainer's num_ranks={self.world_size}")
+        if self.world_size % (tp * ep):
+            raise ValueError(
+                f"expert_model_parallel_size={ep} x tensor_model_parallel_size={tp} must divide the trainer's "
+                f"num_ranks={self.world_size}"
+            )
         if reference:
             raise ValueError("the Megatron backend keeps no on-rank KL reference: give TrainerGroup a ReferenceGroup")
         torch.set_num_threads(config.num_threads)
         if not ps.model_parallel_is_initialized():
-            ps.initialize_model_parallel(tensor_model_parallel_size=tp)
+            ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
         tensor_parallel.model_parallel_cuda_manual_seed(config.seed)
         self.config = config
         self.optim_config = optim
@@ -343,6 +364,12 @@ class MegatronBackend(DataParallelOps):
         self.tp_rank = ps.get_tensor_model_parallel_rank()
         self.tp_size = tp
         module, self.shape, self.hf_shapes = build_gpt(model_path, config)
+        for name, param in module.named_parameters():
+            if ".mlp.experts." in name:
+                # megatron marks experts "expert-parallel" (their own optimizer, grads over expert-DP ranks) only at
+                # EP > 1; marked at EP = 1 too, the optimizer has the same parts at every EP size, so an EP=2
+                # checkpoint's optimizer state loads at EP=1 (expert-DP = DP there: the same reduction)
+                param.allreduce = False
         self.hf_model = module.to(self.device)
         _rope_at_positions(self.hf_model.rotary_pos_emb)  # packed rows give every token its own position
         self.routes = None  # MoE: the rollout's routes compared, or replayed with config.routing_replay
@@ -439,27 +466,38 @@ class MegatronBackend(DataParallelOps):
     def _hf_tensors(self, dtype: torch.dtype, names=None) -> dict[str, torch.Tensor]:
         """On rank 0: HF tensors (all, or those named) rebuilt from its TP group's shards; elsewhere ``{}``.
 
-        Collective over rank 0's TP group only (a gather to rank 0); the other data-parallel replicas hold the
-        same weights and do nothing.
+        Collective over rank 0's TP group (a gather to rank 0) and, for MoE experts, over rank 0's expert-parallel
+        group (each member holds a block of the experts); the other replicas hold the same weights and do nothing.
         """
-        if self.dp_rank != 0:
-            return {}
+        from megatron.core import parallel_state as ps
+
+        names = set(self.hf_shapes) if names is None else set(names)
+        wanted = {source for n in names for source in megatron_sources(n, self.shape)}
         local = self.hf_model.state_dict()
-        wanted = (
-            {source for n in names for source in megatron_sources(n, self.shape)}
-            if names is not None
-            else {n for n in local if not n.endswith("._extra_state")}
-        )
         shards = {}
-        for name in sorted(wanted):  # the same order on every rank of the group
-            p = local[name].detach().contiguous()
-            parts = [torch.empty_like(p) for _ in range(self.tp_size)] if self.tp_rank == 0 else None
-            dist.gather(p, parts, group=self.tp_group, group_dst=0)
-            shards[name] = parts
+        if self.dp_rank == 0:
+            for name in sorted(w for w in wanted if ".local_experts." not in w):  # the same order on every rank
+                shards[name] = self._gather(local[name], self.tp_group, self.tp_size, self.tp_rank)
+        num_local = self.shape.num_experts // self.config.parallel.expert_model_parallel_size
+        experts = sorted({expert_on_rank(w, num_local) for w in wanted if ".local_experts." in w})
+        if experts and ps.get_expert_data_parallel_rank() == 0:  # rank 0's expert-parallel group (TP=1 for MoE)
+            group, size = ps.get_expert_model_parallel_group(), ps.get_expert_model_parallel_world_size()
+            for name in experts:
+                parts = self._gather(local[name], group, size, ps.get_expert_model_parallel_rank())
+                for r, part in enumerate(parts or ()):  # the same local expert of every EP rank
+                    shards[expert_on_rank(name, num_local, r)] = [part]
         if self.rank != 0:
             return {}
         full = megatron_to_hf(shards, self.shape)
-        return {n: t.to(dtype) for n, t in full.items() if names is None or n in names}
+        return {n: t.to(dtype) for n, t in full.items() if n in names}
+
+    @staticmethod
+    def _gather(tensor: torch.Tensor, group, size: int, rank: int) -> list[torch.Tensor] | None:
+        """Every member's ``tensor`` on the group's first rank (a list in group-rank order); None elsewhere."""
+        p = tensor.detach().contiguous()
+        parts = [torch.empty_like(p) for _ in range(size)] if rank == 0 else None
+        dist.gather(p, parts, group=group, group_dst=0)
+        return parts
 
     def sync_plan(self, dtype: torch.dtype, bucket_bytes: int) -> SyncPlan:
         """Bucket plan over the HF-named, HF-shaped tensors (as the engines hold them), cast to ``dtype``.

@@ -109,15 +109,23 @@ def _qkv_blocks(s: GPTShape, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) 
     return torch.cat([q, k, v], dim=1)
 
 
-def hf_to_megatron(hf: dict[str, torch.Tensor], s: GPTShape, tp: int, rank: int) -> dict[str, torch.Tensor]:
-    """TP rank ``rank``'s Megatron shard of the HF state dict ``hf``.
+def hf_to_megatron(
+    hf: dict[str, torch.Tensor], s: GPTShape, tp: int, rank: int, ep: int = 1, ep_rank: int = 0
+) -> dict[str, torch.Tensor]:
+    """TP rank ``rank``'s (and expert-parallel rank ``ep_rank``'s) Megatron shard of the HF state dict ``hf``.
+
+    Of an MoE layer's ``E`` experts, expert-parallel rank ``ep_rank`` of ``ep`` holds the ``ep_rank``-th block of
+    ``E / ep`` as its local experts ``0..E/ep-1``.
 
     Raises:
-        ValueError: if KV heads, vocab or MLP rows do not split over ``tp``, or a tensor is missing.
+        ValueError: if KV heads, vocab, MLP rows or experts do not split over ``tp`` / ``ep``, or a tensor is missing.
 
     """
     if s.num_kv_heads % tp:
         raise ValueError(f"tensor_model_parallel_size={tp} must divide num_key_value_heads={s.num_kv_heads}")
+    if s.num_experts % ep:
+        raise ValueError(f"expert_model_parallel_size={ep} must divide the model's {s.num_experts} experts")
+    local = s.num_experts // ep
     out = {}
 
     def split(t: torch.Tensor, dim: int | None, name: str) -> torch.Tensor:
@@ -145,8 +153,9 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], s: GPTShape, tp: int, rank: int)
         if moe:
             out[m + "mlp.router.weight"] = hf[h + "mlp.gate.weight"].clone()
             gate_up, down = hf[h + "mlp.experts.gate_up_proj"], hf[h + "mlp.experts.down_proj"]
-            for e in range(s.num_experts):
-                expert, name = f"{m}mlp.experts.local_experts.{e}.", f"{h}mlp.experts[{e}]"
+            for j in range(local):
+                e = ep_rank * local + j
+                expert, name = f"{m}mlp.experts.local_experts.{j}.", f"{h}mlp.experts[{e}]"
                 gate, up = gate_up[e].chunk(2, dim=0)
                 out[expert + "linear_fc1.weight"] = torch.cat([split(gate, 0, name), split(up, 0, name)])
                 out[expert + "linear_fc2.weight"] = split(down[e], 1, name)
@@ -244,3 +253,19 @@ def _gate_up(parts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Full gate and up rows from every TP rank's ``linear_fc1`` (each ``[gate rows of r, up rows of r]``)."""
     halves = [p.chunk(2, dim=0) for p in parts]
     return torch.cat([g for g, _ in halves]), torch.cat([u for _, u in halves])
+
+
+def expert_on_rank(name: str, num_local: int, ep_rank: int | None = None) -> str:
+    """Renumber an expert tensor between the global name (as ``megatron_sources`` gives) and its local one.
+
+    Expert ``e`` is local expert ``e % num_local`` of expert-parallel rank ``e // num_local``. Without ``ep_rank``
+    a global name becomes its local one; with it, local expert ``j`` of rank ``ep_rank`` becomes global expert
+    ``ep_rank * num_local + j``. Other names are returned as they are.
+    """
+    layer = _LAYER_RE.match(name)
+    expert = _EXPERT_RE.match(layer[2]) if layer else None
+    if expert is None:
+        return name
+    e = int(expert[1])
+    renumbered = e % num_local if ep_rank is None else ep_rank * num_local + e
+    return name.replace(f".local_experts.{e}.", f".local_experts.{renumbered}.")

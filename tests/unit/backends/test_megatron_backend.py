@@ -71,6 +71,10 @@ def test_config_errors_name_the_field(tiny_model_path):
         MegatronBackendConfig(parallel={"sequence_parallel": True})
     with pytest.raises(ValueError, match="transformer_args may not set \\['hidden_size'\\]"):
         MegatronBackendConfig(transformer_args={"hidden_size": 8})
+    with pytest.raises(ValueError, match="expert_model_parallel_size=2 x tensor_model_parallel_size=1 must divide"):
+        MegatronBackend(
+            MegatronBackendConfig(parallel={"expert_model_parallel_size": 2}), OptimizerConfig(), tiny_model_path
+        )
     with pytest.raises(ValueError, match="'no_such_field'\\] are not megatron TransformerConfig fields"):
         MegatronBackend(
             MegatronBackendConfig(transformer_args={"no_such_field": 1}), OptimizerConfig(), tiny_model_path

@@ -3,7 +3,13 @@
 import pytest
 import torch
 
-from miles_ray.backends.megatron_convert import GPTShape, hf_to_megatron, megatron_sources, megatron_to_hf
+from miles_ray.backends.megatron_convert import (
+    GPTShape,
+    expert_on_rank,
+    hf_to_megatron,
+    megatron_sources,
+    megatron_to_hf,
+)
 
 
 def _random_hf(shape: GPTShape, hidden=32, inter=48, vocab=64, untied=False) -> dict[str, torch.Tensor]:
@@ -73,6 +79,13 @@ def test_round_trip_is_bit_exact(tp, arch):
         assert "decoder.layers.1.mlp.router.weight" not in shards[0]  # the dense layer
         sources = megatron_sources("model.layers.0.mlp.experts.down_proj", shape)
         assert sources == [f"decoder.layers.0.mlp.experts.local_experts.{e}.linear_fc2.weight" for e in range(4)]
+        # at EP=2 expert 3 is local expert 1 of rank 1, and back
+        assert expert_on_rank(sources[3], 2) == sources[1] and expert_on_rank(sources[1], 2, ep_rank=1) == sources[3]
+        assert expert_on_rank("decoder.layers.0.mlp.router.weight", 2) == "decoder.layers.0.mlp.router.weight"
+        ep_shards = [hf_to_megatron(hf, shape, 1, 0, ep=2, ep_rank=r) for r in range(2)]
+        everything = hf_to_megatron(hf, shape, 1, 0)
+        assert torch.equal(ep_shards[1][sources[1]], everything[sources[3]])  # EP rank 1 holds experts 2 and 3
+        assert sources[3] not in ep_shards[1]
     assert shards[0]["decoder.layers.0.self_attention.linear_qkv.weight"].shape == (4 * 8 // tp * 2, 32)
     back = megatron_to_hf({n: [s[n] for s in shards] for n in shards[0]}, shape)
     assert set(back) == set(hf)

@@ -22,6 +22,8 @@ Usage (inside a rank whose ``torch.distributed`` default group spans all trainer
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -29,6 +31,7 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from pydantic import Field, model_validator
 
 from miles_ray.backends import megatron_cpu
@@ -123,8 +126,6 @@ class MegatronBackendConfig(MicroBatchConfig):
 
 
 def _transformer_config(hf: dict, args: LlamaArgs, config: MegatronBackendConfig):
-    import dataclasses
-
     from megatron.core.transformer import TransformerConfig
 
     known = {f.name for f in dataclasses.fields(TransformerConfig)}
@@ -204,6 +205,34 @@ _MOE_DEFAULTS = {
 }
 
 
+class _SequenceParallelRMSNorm(torch.nn.RMSNorm):
+    """torch's RMSNorm for megatron specs under sequence parallelism.
+
+    megatron's torch-norm wrapper refuses sequence parallelism and its TE/apex norms need a GPU. Each TP rank
+    normalises its own part of the sequence (or, for q/k norms, its own heads), so the weight is tagged
+    ``sequence_parallel`` and ``finalize_model_grads`` sums its gradient over the TP ranks.
+    """
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_):
+        super().__init__(hidden_size, eps=eps)
+        self.weight.sequence_parallel = config.sequence_parallel
+
+
+def _with_norm(spec, norm: type):
+    """``spec`` (megatron ModuleSpecs, submodule dataclasses, layer lists) with its torch norms replaced by ``norm``."""
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    if spec is WrappedTorchNorm:
+        return norm
+    if isinstance(spec, list):
+        return [_with_norm(s, norm) for s in spec]
+    if isinstance(spec, ModuleSpec) or (dataclasses.is_dataclass(spec) and not isinstance(spec, type)):
+        for field in dataclasses.fields(spec):
+            setattr(spec, field.name, _with_norm(getattr(spec, field.name), norm))
+    return spec
+
+
 def build_gpt(model_path: str, config: MegatronBackendConfig):
     """Megatron ``GPTModel`` shard of this TP rank with the HF weights at ``model_path`` (model parallel initialised).
 
@@ -228,8 +257,11 @@ def build_gpt(model_path: str, config: MegatronBackendConfig):
     tp = config.parallel.tensor_model_parallel_size
     if args.vocab_size % tp:
         raise ValueError(f"vocab_size={args.vocab_size} does not split over tensor_model_parallel_size={tp}")
-    if args.moe_layers and tp > 1:
-        raise ValueError(f"MoE models train at tensor_model_parallel_size=1 in the Megatron backend yet, got {tp}")
+    if args.moe_layers and tp > 1 and not config.parallel.sequence_parallel:
+        raise ValueError(
+            f"an MoE model at tensor_model_parallel_size={tp} needs parallel.sequence_parallel=True (megatron-core "
+            "trains MoE layers under tensor parallelism only with it)"
+        )
     ep = config.parallel.expert_model_parallel_size
     if ep > 1 and not args.moe_layers:
         raise ValueError(f"expert_model_parallel_size={ep} needs an MoE model; {model_path} is dense")
@@ -237,6 +269,8 @@ def build_gpt(model_path: str, config: MegatronBackendConfig):
         spec = get_gpt_decoder_block_spec(tconfig, use_transformer_engine=False, normalization="RMSNorm")
     else:
         spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=args.qk_norm)
+    if config.parallel.sequence_parallel:
+        spec = _with_norm(copy.deepcopy(spec), _SequenceParallelRMSNorm)
     model = GPTModel(
         config=tconfig,
         transformer_layer_spec=spec,
@@ -280,6 +314,20 @@ def _rope_at_positions(rope: torch.nn.Module) -> None:
         return table[rope.position_ids.t()][:, :, 0]  # [L, B, 1, dim]
 
     rope.forward = forward
+
+
+def _sequence_pad(length: int, parallel: MegatronParallelConfig) -> int:
+    """Tokens to add to a row of ``length`` so sequence parallelism splits it evenly over the TP ranks."""
+    return -length % parallel.tensor_model_parallel_size if parallel.sequence_parallel else 0
+
+
+def _pad_mask(blocked: torch.Tensor, pad: int) -> torch.Tensor:
+    """A ``[N, 1, L, L]`` attention mask (True: blocked) grown by ``pad`` tokens that attend to themselves alone."""
+    n, _, length, _ = blocked.shape
+    size = length + pad
+    out = (~torch.eye(size, dtype=torch.bool)).expand(n, 1, size, size).clone()
+    out[:, :, :length, :length] = blocked
+    return out
 
 
 def _vocab_parallel_logprobs_entropy(logits: torch.Tensor, targets: torch.Tensor, temperature: float):
@@ -374,7 +422,8 @@ class MegatronBackend(DataParallelOps):
         _rope_at_positions(self.hf_model.rotary_pos_emb)  # packed rows give every token its own position
         self.routes = None  # MoE: the rollout's routes compared, or replayed with config.routing_replay
         if config.routing_replay or self.shape.moe_layers:
-            self.routes = MegatronRouteTracker(self.hf_model, replay=config.routing_replay)
+            shard = (self.tp_rank, tp) if config.parallel.sequence_parallel else None
+            self.routes = MegatronRouteTracker(self.hf_model, replay=config.routing_replay, sequence_shard=shard)
         ddp = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
         )
@@ -417,14 +466,8 @@ class MegatronBackend(DataParallelOps):
         if p is None:
             return self._padded_logprobs(batch, temperature)
         packed = pack_rows(batch, p.share_prefix, p.max_row_tokens)
-        positions = packed.position_ids.to(self.device)
-        blocked = ~packed.attention.to(self.device)  # Megatron's masks are True where attention is not allowed
-        rope = self.hf_model.rotary_pos_emb
-        rope.position_ids = positions
-        try:
-            logits = self.model(packed.input_ids.to(self.device), positions, attention_mask=blocked)  # [R, L, V/tp]
-        finally:
-            rope.position_ids = None
+        blocked = ~packed.attention  # Megatron's masks are True where attention is not allowed
+        logits = self._forward(packed.input_ids, packed.position_ids, blocked)  # [R, L, V/tp]
         targets = batch.input_ids[:, 1:][packed.source >= 0].to(self.device)
         lp, entropy = _vocab_parallel_logprobs_entropy(packed.needed(logits)[None], targets[None], temperature)
         return packed.scatter(lp[0]), packed.scatter(entropy[0])
@@ -433,10 +476,10 @@ class MegatronBackend(DataParallelOps):
         """``forward_logprobs`` on one padded row per sample, 0 before the first trained position."""
         input_ids = batch.input_ids.to(self.device)
         bsz, seq = input_ids.shape
-        positions = torch.arange(seq, device=self.device).expand(bsz, seq)
+        positions = torch.arange(seq).expand(bsz, seq)
         # right padding and causal attention: padded keys only ever follow the real tokens
-        causal = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=self.device), diagonal=1)[None, None]
-        logits = self.model(input_ids, positions, attention_mask=causal)  # [B, T, V/tp]
+        causal = torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1)[None, None]
+        logits = self._forward(batch.input_ids, positions, causal)  # [B, T, V/tp]
         start = batch.first_trained_position()
         lp, entropy = _vocab_parallel_logprobs_entropy(
             logits[:, start : seq - 1], input_ids[:, start + 1 :], temperature
@@ -444,12 +487,38 @@ class MegatronBackend(DataParallelOps):
         pad = lp.new_zeros(bsz, start)
         return torch.cat([pad, lp], dim=1), torch.cat([pad, entropy], dim=1)
 
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, blocked: torch.Tensor) -> torch.Tensor:
+        """The model's ``[rows, L, V/tp]`` logits for ``[rows, L]`` tokens at per-token ``positions``.
+
+        With sequence parallelism megatron splits the sequence over the TP ranks, so rows are padded to a multiple
+        of TP first: pad tokens attend to themselves alone and no real token attends to them.
+        """
+        length = input_ids.shape[1]
+        pad = _sequence_pad(length, self.config.parallel)
+        if pad:
+            input_ids, positions = F.pad(input_ids, (0, pad)), F.pad(positions, (0, pad))
+            blocked = _pad_mask(blocked, pad)
+        rope = self.hf_model.rotary_pos_emb
+        rope.position_ids = positions.to(self.device)
+        try:
+            logits = self.model(input_ids.to(self.device), rope.position_ids, attention_mask=blocked.to(self.device))
+        finally:
+            rope.position_ids = None
+        return logits[:, :length]
+
     def grad_sync(self, enabled: bool) -> None:
         """Gradients accumulate in Megatron's grad buffers; they are reduced once, before the step."""
 
     def clip_and_step(self, loss_sum: float = 0.0) -> tuple[float, bool]:
-        """Reduce the grad buffers over DP, then Megatron's optimizer clips and steps (skipped if not finite)."""
-        self.model.finish_grad_sync()
+        """Reduce the grads, then Megatron's optimizer clips and steps (skipped if not finite).
+
+        ``finalize_model_grads`` reduces the grad buffers over DP and, over the TP ranks, the grads megatron computes
+        per rank: q/k layernorms (each rank normalises its own heads), sequence-parallel norms and MoE routers.
+        """
+        from megatron.core.distributed import finalize_model_grads
+
+        with megatron_cpu.cpu_devices():
+            finalize_model_grads([self.model])
         bad = 0.0 if math.isfinite(loss_sum) else 1.0
         skipped = self.global_sum([bad])[0] > 0
         norm = float("nan")
@@ -466,8 +535,9 @@ class MegatronBackend(DataParallelOps):
     def _hf_tensors(self, dtype: torch.dtype, names=None) -> dict[str, torch.Tensor]:
         """On rank 0: HF tensors (all, or those named) rebuilt from its TP group's shards; elsewhere ``{}``.
 
-        Collective over rank 0's TP group (a gather to rank 0) and, for MoE experts, over rank 0's expert-parallel
-        group (each member holds a block of the experts); the other replicas hold the same weights and do nothing.
+        Collective over rank 0's TP group (a gather to rank 0) and, for MoE experts, over the expert-TP and expert-
+        parallel ranks of rank 0's replica (each expert-parallel rank holds a block of the experts, each expert-TP
+        rank a slice of them); the other replicas hold the same weights and do nothing.
         """
         from megatron.core import parallel_state as ps
 
@@ -480,12 +550,17 @@ class MegatronBackend(DataParallelOps):
                 shards[name] = self._gather(local[name], self.tp_group, self.tp_size, self.tp_rank)
         num_local = self.shape.num_experts // self.config.parallel.expert_model_parallel_size
         experts = sorted({expert_on_rank(w, num_local) for w in wanted if ".local_experts." in w})
-        if experts and ps.get_expert_data_parallel_rank() == 0:  # rank 0's expert-parallel group (TP=1 for MoE)
-            group, size = ps.get_expert_model_parallel_group(), ps.get_expert_model_parallel_world_size()
+        if experts and ps.get_expert_data_parallel_rank() == 0:  # the expert-TP x EP ranks of rank 0's replica
+            etp = ps.get_expert_tensor_parallel_group(), ps.get_expert_tensor_parallel_world_size()
+            etp_rank = ps.get_expert_tensor_parallel_rank()
+            ep = ps.get_expert_model_parallel_group(), ps.get_expert_model_parallel_world_size()
             for name in experts:
-                parts = self._gather(local[name], group, size, ps.get_expert_model_parallel_rank())
-                for r, part in enumerate(parts or ()):  # the same local expert of every EP rank
-                    shards[expert_on_rank(name, num_local, r)] = [part]
+                slices = self._gather(local[name], *etp, etp_rank)  # this block's expert, every TP slice
+                if etp_rank != 0:
+                    continue
+                for part in slices:  # then each slice of the same local expert of every EP rank
+                    for r, piece in enumerate(self._gather(part, *ep, ps.get_expert_model_parallel_rank()) or ()):
+                        shards.setdefault(expert_on_rank(name, num_local, r), []).append(piece)
         if self.rank != 0:
             return {}
         full = megatron_to_hf(shards, self.shape)

@@ -136,23 +136,31 @@ class MegatronRouteTracker(_RouteBook):
     Megatron's router calls ``router_replay.get_replay_topk(scores, topk, ..., default_compute_topk)`` (the hook
     megatron-core's own ``RouterReplay`` uses); scores are the logits (top-k then softmax: renormalised weights) or
     the softmax (``pre_softmax``: plain weights), so gathering them at the chosen experts weights the replayed
-    experts by the trainer's own router as HF's replay does. Megatron's routers see tokens sequence-major.
+    experts by the trainer's own router as HF's replay does. Megatron's routers see tokens sequence-major and, with
+    sequence parallelism (``sequence_shard=(tp_rank, tp)``), only this rank's chunk of the sequence, padded to a
+    multiple of TP as the backend pads its rows.
 
     Raises:
         ValueError: if the model has no megatron ``TopKRouter``.
 
     """
 
-    def __init__(self, model: nn.Module, replay: bool):
+    def __init__(self, model: nn.Module, replay: bool, sequence_shard: tuple[int, int] | None = None):
         self.routers = [m for m in model.modules() if type(m).__name__ == "TopKRouter"]
         if not self.routers:
             raise ValueError(f"routing replay needs an MoE model; this {type(model).__name__} has no TopKRouter")
         super().__init__(len(self.routers), int(self.routers[0].topk), replay)
+        self.sequence_shard = sequence_shard
         for i, router in enumerate(self.routers):
             router.router_replay = _MegatronLayerReplay(self, i)
 
     def _tokens(self, routes: torch.Tensor) -> torch.Tensor:
-        return routes.transpose(0, 1).reshape(-1, *routes.shape[2:])  # [T, B, ...]: Megatron's [s, b] order
+        routes = routes.transpose(0, 1)  # [T, B, ...]: Megatron's [s, b] order
+        if self.sequence_shard is not None:
+            rank, size = self.sequence_shard
+            pad = routes.new_full((-routes.shape[0] % size, *routes.shape[1:]), -1)
+            routes = torch.cat([routes, pad]).chunk(size)[rank]
+        return routes.reshape(-1, *routes.shape[2:])
 
 
 class _MegatronLayerReplay:

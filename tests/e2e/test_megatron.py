@@ -26,6 +26,23 @@ def _flat(lists):
     return torch.tensor([x for row in lists for x in row])
 
 
+def _same_step_and_export(one, many, tmp_path, export_tolerance: float) -> torch.Tensor:
+    """One train step of ``one`` (a single rank) and ``many`` (a parallel layout) on the same batch: equal metrics,
+    equal logprobs after, and HF exports with the same names and weights; returns ``many``'s logprobs after."""
+    from safetensors.torch import load_file
+
+    batch = synthetic_group(0) + synthetic_group(1, first_token=7)
+    m1, m_many = ray.get([one.train_step.remote(batch), many.train_step.remote(batch)])
+    for key in ("loss", "grad_norm", "entropy", "num_tokens"):
+        assert m_many[key] == pytest.approx(m1[key], rel=1e-4, abs=1e-6), key  # the GRPO loss is ~0 at ratio 1
+    after1, after_many = ray.get([one.compute_logprobs.remote(batch), many.compute_logprobs.remote(batch)])
+    torch.testing.assert_close(_flat(after_many), _flat(after1), atol=1e-5, rtol=1e-5)
+    ray.get([g.export_hf.remote(str(tmp_path / n), "float32") for g, n in ((one, "one"), (many, "many"))])
+    a, b = load_file(tmp_path / "one" / "model.safetensors"), load_file(tmp_path / "many" / "model.safetensors")
+    assert set(a) == set(b) and max((a[n] - b[n]).abs().max().item() for n in a) < export_tolerance
+    return _flat(after_many)
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_tp2_equals_tp1_and_a_tp2_checkpoint_reloads_at_tp1(make_placement, family, request, tmp_path):
     """Qwen3: each TP rank normalises its own q/k heads, so the q/k norm grads are summed over the TP ranks."""
@@ -70,22 +87,7 @@ def test_two_data_parallel_tp2_groups_equal_one_rank(make_placement, tiny_model_
     """4 ranks = 2 DP x 2 TP: each TP group trains on its half of the batch; same step as one rank on all of it."""
     one = TrainerGroup.remote(_megatron(tiny_model_path, 1), make_placement(placement.colocated(1)))
     four = TrainerGroup.remote(_megatron(tiny_model_path, 2, num_ranks=4), make_placement(placement.colocated(4)))
-    batch = synthetic_group(0) + synthetic_group(1, first_token=7)
-    m1, m4 = ray.get([one.train_step.remote(batch), four.train_step.remote(batch)])
-    for key in ("loss", "grad_norm", "entropy", "num_tokens"):
-        assert m4[key] == pytest.approx(m1[key], rel=1e-4, abs=1e-6), key  # the GRPO loss is ~0 at ratio 1
-    after1, after4 = ray.get([one.compute_logprobs.remote(batch), four.compute_logprobs.remote(batch)])
-    torch.testing.assert_close(_flat(after4), _flat(after1), atol=1e-5, rtol=1e-5)
-    from safetensors.torch import load_file  # the export comes from rank 0's TP group alone
-
-    ray.get(
-        [
-            one.export_hf.remote(str(tmp_path / "one"), "float32"),
-            four.export_hf.remote(str(tmp_path / "four"), "float32"),
-        ]
-    )
-    a, b = load_file(tmp_path / "one" / "model.safetensors"), load_file(tmp_path / "four" / "model.safetensors")
-    assert set(a) == set(b) and max((a[n] - b[n]).abs().max().item() for n in a) < 2e-4
+    _same_step_and_export(one, four, tmp_path, export_tolerance=2e-4)  # the export: rank 0's TP group alone
 
 
 def test_untrained_export_round_trips_bit_exact(make_placement, tiny_model_path, tmp_path):
@@ -172,33 +174,18 @@ def test_grpo_on_qwen3_moe_with_megatron_ep2_and_routing_replay(make_placement, 
 def test_tp2_x_ep2_on_four_ranks_equals_one_rank(make_placement, tiny_qwen3_moe_path, tmp_path):
     """Qwen3-MoE on 4 ranks, TP=2 x EP=2 with sequence parallelism (which megatron requires for MoE under TP; rows
     padded to even lengths), each rank holding half of every dense matrix and a TP half of the experts of its EP
-    block: the same step as one rank; the checkpoint reloads at TP=1 x EP=1 and takes the
-    same next step; weight syncs gather every expert's slices (the export equals one rank's)."""
+    block: the same step as one rank; the checkpoint reloads at TP=1 x EP=1 and takes the same next step; weight
+    syncs gather every expert's slices (the export equals one rank's)."""
     path = tiny_qwen3_moe_path
     one = TrainerGroup.remote(_megatron(path, 1), make_placement(placement.colocated(1)))
     four = TrainerGroup.remote(_megatron(path, 2, ep=2, sp=True), make_placement(placement.colocated(4)))
     batch = synthetic_group(0) + synthetic_group(1, first_token=7)
-    m1, m4 = ray.get([one.train_step.remote(batch), four.train_step.remote(batch)])
-    for key in ("loss", "grad_norm", "entropy", "num_tokens"):
-        assert m4[key] == pytest.approx(m1[key], rel=1e-4, abs=1e-6), key
-    after1, after4 = ray.get([one.compute_logprobs.remote(batch), four.compute_logprobs.remote(batch)])
-    torch.testing.assert_close(_flat(after4), _flat(after1), atol=1e-5, rtol=1e-5)
-
-    from safetensors.torch import load_file
-
-    ray.get(
-        [
-            one.export_hf.remote(str(tmp_path / "one"), "float32"),
-            four.export_hf.remote(str(tmp_path / "four"), "float32"),
-        ]
-    )
-    a, b = load_file(tmp_path / "one" / "model.safetensors"), load_file(tmp_path / "four" / "model.safetensors")
-    assert set(a) == set(b) and max((a[n] - b[n]).abs().max().item() for n in a) < 5e-4  # Adam on tiny grads
+    after4 = _same_step_and_export(one, four, tmp_path, export_tolerance=5e-4)  # Adam on tiny MoE grads
 
     ray.get(four.save.remote(str(tmp_path / "ckpt")))
     fresh = TrainerGroup.remote(_megatron(path, 1), make_placement(placement.colocated(1)))
     ray.get(fresh.load.remote(str(tmp_path / "ckpt")))
-    torch.testing.assert_close(_flat(ray.get(fresh.compute_logprobs.remote(batch))), _flat(after4), atol=1e-6, rtol=0)
+    torch.testing.assert_close(_flat(ray.get(fresh.compute_logprobs.remote(batch))), after4, atol=1e-6, rtol=0)
     m_fresh, m_four = ray.get([fresh.train_step.remote(batch), four.train_step.remote(batch)])
     assert m_fresh["loss"] == pytest.approx(m_four["loss"], rel=1e-4, abs=1e-6)
     assert m_fresh["grad_norm"] == pytest.approx(m_four["grad_norm"], rel=1e-4)

@@ -287,8 +287,9 @@ def build_gpt(model_path: str, config: MegatronBackendConfig):
         state = fuse_checkpoint_experts(state, args.num_experts)
     tied = shape.tie_word_embeddings
     hf_shapes = {n: tuple(t.shape) for n, t in state.items() if not (tied and n == "lm_head.weight")}
-    ep, ep_rank = config.parallel.expert_model_parallel_size, ps.get_expert_model_parallel_rank()
-    shard = hf_to_megatron(state, shape, tp, ps.get_tensor_model_parallel_rank(), ep, ep_rank)
+    shard = hf_to_megatron(
+        state, shape, tp, ps.get_tensor_model_parallel_rank(), ep, ps.get_expert_model_parallel_rank()
+    )
     dtype = tconfig.params_dtype
     missing, unexpected = model.load_state_dict({k: v.to(dtype) for k, v in shard.items()}, strict=False)
     missing = [m for m in missing if not m.endswith("._extra_state")]

@@ -17,7 +17,8 @@ reference in the same run:
   the same bytes as CUDA IPC handles (``torch.multiprocessing``), which that transport does not use yet;
 - ``verified sync``: after a GRPO step, the engine process's weight digest equals the trainer's, and the engine's
   logprobs of what it generates on the new weights match the trainer's;
-- ``megatron step``: the Megatron backend at TP=1, one GRPO step: its loss vs the torch backend's on the same batch.
+- ``megatron step``: the Megatron backend at TP=1, one GRPO step: its grad norm vs the torch backend's on the same
+  batch; ``megatron MoE step`` likewise for the Mixtral (megatron-core's MoE layers, EP=1) on a batch it sampled.
 
 ``--device cpu`` runs every row's code on the CPU with a tiny model in seconds (CI runs it so the script cannot rot
 between GPU runs); its figures are no GPU figures.
@@ -29,6 +30,7 @@ between GPU runs); its figures are no GPU figures.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import socket
 import time
@@ -181,7 +183,7 @@ def _rollout_logprobs(batch) -> torch.Tensor:
     return batch.rollout_logprobs[batch.response_mask > 0]
 
 
-def _trainer(setup: Setup, autocast: bool, packing=None, micro_batch: int = 16):
+def _trainer(setup: Setup, autocast: bool, packing=None, micro_batch: int = 16, model: str | None = None):
     from miles_ray.backends import OptimizerConfig, TorchBackendConfig
     from miles_ray.backends.torch_backend import TorchBackend
 
@@ -192,7 +194,7 @@ def _trainer(setup: Setup, autocast: bool, packing=None, micro_batch: int = 16):
         micro_batch_size=micro_batch,
         num_threads=os.cpu_count() if setup.cuda else 1,
     )
-    return TorchBackend(config, OptimizerConfig(lr=1e-5), setup.model)
+    return TorchBackend(config, OptimizerConfig(lr=1e-5), model or setup.model)
 
 
 def logprob_rows(setup: Setup) -> list[dict]:
@@ -367,31 +369,41 @@ def _repeat_prompts(setup: Setup) -> list[list[int]]:
 
 # --- Megatron ----------------------------------------------------------------------------------------------------
 def megatron_rows(setup: Setup, batch) -> list[dict]:
-    """A GRPO step of the Megatron backend (TP=1) and of the torch backend on the same batch: gradient norms.
+    """A GRPO step of the Megatron backend and of the torch backend on the same batch: gradient norms.
 
-    (A first GRPO step's loss is 0 when every response has the same length: advantages sum to 0 per group.)
+    The dense model at TP=1 on ``batch``, then the MoE model (megatron-core's MoE layers, EP=1) on a batch its
+    engine samples. (A first GRPO step's loss is 0 when every response has the same length: advantages sum to 0
+    per group.)
     """
+    rows = [_megatron_row(setup, setup.model, batch, "megatron step", "TP=1, fp32: grad norm")]
+    if setup.moe_model is not None:
+        engine = _engine(setup, setup.moe_model, "float32", setup.group[0] * setup.group[1])
+        moe_batch = _rollout_batch(setup, engine)
+        del engine
+        _free(setup)
+        rows.append(_megatron_row(setup, setup.moe_model, moe_batch, "megatron MoE step", "EP=1, fp32: grad norm"))
+    return rows
+
+
+def _megatron_row(setup: Setup, model: str, batch, check: str, setting: str) -> dict:
     from megatron.core import parallel_state as ps
 
     from miles_ray.backends import ObjectiveConfig, OptimizerConfig
     from miles_ray.backends.megatron_backend import MegatronBackend, MegatronBackendConfig
     from miles_ray.backends.rl_step import RLStep
 
-    def step():
-        megatron = MegatronBackend(MegatronBackendConfig(micro_batch_size=16), OptimizerConfig(lr=1e-5), setup.model)
-        return _timed(setup, lambda: RLStep(megatron, ObjectiveConfig()).update(batch))
-
     try:
-        ours, seconds = step()
+        megatron = MegatronBackend(MegatronBackendConfig(micro_batch_size=16), OptimizerConfig(lr=1e-5), model)
+        ours, seconds = _timed(setup, functools.partial(RLStep(megatron, ObjectiveConfig()).update, batch))
+        del megatron  # its memory back before the torch backend's step
     finally:
         ps.destroy_model_parallel()
     _free(setup)
-    theirs = RLStep(_trainer(setup, autocast=False), ObjectiveConfig()).update(batch)
-    row = _row(
-        "megatron step", "TP=1, fp32: grad norm", ours["grad_norm"], "norm", theirs["grad_norm"], "torch backend"
-    )
+    theirs = RLStep(_trainer(setup, autocast=False, model=model), ObjectiveConfig()).update(batch)
+    _free(setup)
+    row = _row(check, setting, ours["grad_norm"], "norm", theirs["grad_norm"], "torch backend")
     row.update(loss=ours["loss"], seconds=seconds)
-    return [row]
+    return row
 
 
 def main() -> None:

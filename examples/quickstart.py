@@ -6,6 +6,7 @@ unchanged, on a GPU cluster (pass --address auto).
     python examples/quickstart.py --topology colocated --steps 25
     python examples/quickstart.py --mode async --topology disaggregated   # rollout and training overlap
     python examples/quickstart.py --checkpoint-every 5 --resume            # pick up where a stopped run left off
+    python examples/quickstart.py --model smollm2-moe --backend megatron --ep 2 --routing-replay  # MoE, Megatron EP
     python examples/quickstart.py --data examples/data/aiw/train.jsonl --eval-data examples/data/aiw/test.jsonl \
         --eval-every 5 --max-new-tokens 128 --logger jsonl,tensorboard    # your data, held-out eval, trackers
 
@@ -76,6 +77,7 @@ p.add_argument("--resume", action="store_true", help="continue from the latest c
 p.add_argument("--lora-rank", type=int, default=0, help="LoRA rank (0: train all weights); try --lr 2e-4")
 p.add_argument("--backend", choices=["torch", "megatron"], default="torch", help="trainer backend")
 p.add_argument("--tp", type=int, default=1, help="megatron: tensor-parallel size (divides --num-ranks)")
+p.add_argument("--ep", type=int, default=1, help="megatron, MoE models: expert-parallel size (tp x ep divides ranks)")
 p.add_argument("--routing-replay", action="store_true", help="MoE models (--model smollm2-moe): replay rollout routes")
 p.add_argument(
     "--weight-format",
@@ -112,8 +114,8 @@ if (args.eval_data is None) != (args.eval_every == 0) or (args.eval_data and not
     p.error("--eval-data and --eval-every go together, with --data")
 if args.eval_data and args.best_metric not in eval_metrics:
     p.error(f"--best-metric must be one of {sorted(eval_metrics)}")
-if args.backend == "megatron" and (args.lora_rank or args.weight_format or args.routing_replay or args.compile):
-    p.error("--backend megatron takes no --lora-rank, --weight-format, --routing-replay or --compile yet")
+if args.backend == "megatron" and (args.lora_rank or args.weight_format or args.compile):
+    p.error("--backend megatron takes no --lora-rank, --weight-format or --compile yet")
 if args.mode == "sync":
     warnings.warn("--mode sync is deprecated: use --mode lockstep", DeprecationWarning, stacklevel=1)
     args.mode = "lockstep"
@@ -129,8 +131,11 @@ else:  # trainers and engines on bundles of their own; weights are broadcast ove
     plan, transport = placement.disaggregated(n, n, gpus_per_trainer=gpus, gpus_per_engine=gpus), "broadcast"
 recipe = {"format": args.weight_format} if args.weight_format else None  # one recipe for rollout and training
 if args.backend == "megatron":  # the n ranks form n / tp data-parallel groups of tp tensor-parallel ranks
-    parallel = {"tensor_model_parallel_size": args.tp}
+    # an MoE layer's experts are spread over ep of them; MoE under TP needs sequence parallelism
+    parallel = {"tensor_model_parallel_size": args.tp, "expert_model_parallel_size": args.ep}
+    parallel["sequence_parallel"] = args.tp > 1 and args.model.endswith("moe")
     backend = {"kind": "megatron", "micro_batch_size": args.micro_batch_size, "parallel": parallel}
+    backend["routing_replay"] = args.routing_replay
 else:
     lora = {"rank": args.lora_rank, "alpha": 2 * args.lora_rank} if args.lora_rank else None
     backend = {"micro_batch_size": args.micro_batch_size, "autocast": "auto", "routing_replay": args.routing_replay}

@@ -12,14 +12,25 @@ from helpers import grpo_in_step, synthetic_group, tiny_stack  # noqa: E402
 
 from miles_ray import placement  # noqa: E402
 from miles_ray.actors import TrainerGroup, TrainerGroupConfig  # noqa: E402
+from miles_ray.models.hub import tiny_qwen3_moe_dir  # noqa: E402
+from miles_ray.types import GroupRef, Sample  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.megatron]
 
 
-def _megatron(path, tp, num_ranks=None, lr=1e-2, ep=1, sp=False):
+def _megatron(path, tp, num_ranks=None, lr=1e-2, ep=1, sp=False, max_tokens=None, pp=1):
     parallel = {"tensor_model_parallel_size": tp, "expert_model_parallel_size": ep, "sequence_parallel": sp}
-    backend = {"kind": "megatron", "parallel": parallel}
-    return TrainerGroupConfig(model_path=path, num_ranks=num_ranks or tp * ep, optimizer={"lr": lr}, backend=backend)
+    parallel["pipeline_model_parallel_size"] = pp
+    backend = {"kind": "megatron", "parallel": parallel, "max_tokens_per_micro_batch": max_tokens}
+    num_ranks = num_ranks or tp * ep * pp
+    return TrainerGroupConfig(model_path=path, num_ranks=num_ranks, optimizer={"lr": lr}, backend=backend)
+
+
+def _uneven_groups() -> list[GroupRef]:
+    """Two groups of unlike lengths: on 2 data-parallel ranks, one each; with max_tokens=32 the rank with the long
+    responses (49 packed tokens) cuts them into 2 micro-batches, the other has 11 tokens for one."""
+    long = [Sample([7, 2, 3], [4 + i] * (10 + i), [-1.0] * (10 + i), reward=float(i), group_id=1) for i in range(4)]
+    return synthetic_group(0) + [GroupRef(ray.put(long), 4, 0, 1)]
 
 
 def _flat(lists):
@@ -119,11 +130,13 @@ def test_grpo_with_megatron_tp2_engines_get_the_weights(make_placement, tiny_mod
 def test_ep2_equals_ep1_and_an_ep2_checkpoint_reloads_at_ep1(make_placement, tiny_qwen3_moe_path, tmp_path):
     """Qwen3-MoE with its experts spread over 2 ranks (4 each; the ranks are data-parallel peers for the rest): the
     same step as one rank holding all 8; the EP=2 checkpoint reloads at EP=1 and takes the same next step; the HF
-    export gathers every expert and transformers loads it with the trainer's logprobs."""
+    export gathers every expert and transformers loads it with the trainer's logprobs. The ranks' shards differ in
+    length and micro-batch count (megatron's dispatcher all-gathers tokens over the EP ranks: the backend evens
+    both out)."""
     path = tiny_qwen3_moe_path
-    ep1 = TrainerGroup.remote(_megatron(path, 1), make_placement(placement.colocated(1)))
-    ep2 = TrainerGroup.remote(_megatron(path, 1, ep=2), make_placement(placement.colocated(2)))
-    batch = synthetic_group(0) + synthetic_group(1, first_token=7)
+    ep1 = TrainerGroup.remote(_megatron(path, 1, max_tokens=32), make_placement(placement.colocated(1)))
+    ep2 = TrainerGroup.remote(_megatron(path, 1, ep=2, max_tokens=32), make_placement(placement.colocated(2)))
+    batch = _uneven_groups()
     before1, before2 = ray.get([ep1.compute_logprobs.remote(batch), ep2.compute_logprobs.remote(batch)])
     torch.testing.assert_close(_flat(before2), _flat(before1), atol=1e-5, rtol=1e-5)
     m1, m2 = ray.get([ep1.train_step.remote(batch), ep2.train_step.remote(batch)])
@@ -153,18 +166,21 @@ def test_ep2_equals_ep1_and_an_ep2_checkpoint_reloads_at_ep1(make_placement, tin
         torch.testing.assert_close(torch.tensor(lp), ref, atol=1e-5, rtol=1e-5)
 
 
-def test_grpo_on_qwen3_moe_with_megatron_ep2_and_routing_replay(make_placement, tiny_qwen3_moe_path):
-    """Two GRPO steps: Megatron EP=2 with routing replay, two embedded engines recording routes; before each step the
-    trainer's fp32 logprobs equal the engines' (< 1e-4), the replayed routes leave no mismatch, and each sync of the
-    experts (gathered over the EP group) is verified on both engines."""
-    path = tiny_qwen3_moe_path
+@pytest.mark.parametrize("layout", ["ep2", "pp2"])
+def test_grpo_on_qwen3_moe_with_megatron_ep2_or_pp2_and_routing_replay(make_placement, layout):
+    """Two GRPO steps: Megatron EP=2 (or PP=2: each stage replays its own layers' routes, micro-batches through the
+    1F1B schedule) with routing replay, two embedded engines recording routes; before each step the trainer's fp32
+    logprobs equal the engines' (< 1e-4), the replayed routes leave no mismatch, and each sync (experts gathered
+    over the EP group, layers over the stages) is verified on both engines."""
+    path = str(tiny_qwen3_moe_dir(num_layers=4))  # MoE layers 0, 2, 3: stage 0 holds one, stage 1 two
     pl = make_placement(placement.disaggregated(2, 2))
-    trainer = _megatron(path, 1, lr=1e-3, ep=2).model_dump()
+    ep, pp = (2, 1) if layout == "ep2" else (1, 2)
+    trainer = _megatron(path, 1, lr=1e-3, ep=ep, pp=pp, max_tokens=64).model_dump()
     trainer["backend"]["routing_replay"] = True
     stack = tiny_stack(pl, path, num_ranks=2, num_engines=2, trainer=trainer)  # broadcast transport
 
     def check(samples, metrics):  # a route per fed token and per MoE layer (layer 1 is dense)
-        assert all(s.routes.shape == (len(s.prompt_ids) + len(s.response_ids) - 1, 2, 2) for s in samples)
+        assert all(s.routes.shape == (len(s.prompt_ids) + len(s.response_ids) - 1, 3, 2) for s in samples)
         assert metrics["moe_route_mismatch_frac"] == 0.0
 
     checksums = grpo_in_step(stack.trainer, stack.router, stack.broadcaster, path, check=check)
@@ -189,3 +205,23 @@ def test_tp2_x_ep2_on_four_ranks_equals_one_rank(make_placement, tiny_qwen3_moe_
     m_fresh, m_four = ray.get([fresh.train_step.remote(batch), four.train_step.remote(batch)])
     assert m_fresh["loss"] == pytest.approx(m_four["loss"], rel=1e-4, abs=1e-6)
     assert m_fresh["grad_norm"] == pytest.approx(m_four["grad_norm"], rel=1e-4)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_pp2_equals_pp1_and_a_pp2_checkpoint_reloads_at_pp1(make_placement, family, tiny_model_path, tmp_path):
+    """Two pipeline stages (Llama: one layer each, the tied embedding on both ends; Qwen3-MoE: 4 layers, MoE 0, 2,
+    3), two micro-batches through megatron's 1F1B schedule: the same step as one rank; the checkpoint reloads at
+    PP=1 and takes the same next step; syncs gather the layers of both stages (the export equals one rank's)."""
+    path = tiny_model_path if family == "llama" else str(tiny_qwen3_moe_dir(num_layers=4))
+    one = TrainerGroup.remote(_megatron(path, 1, max_tokens=12), make_placement(placement.colocated(1)))
+    two = TrainerGroup.remote(_megatron(path, 1, pp=2, max_tokens=12), make_placement(placement.colocated(2)))
+    batch = synthetic_group(0) + synthetic_group(1, first_token=7)
+    after2 = _same_step_and_export(one, two, tmp_path, export_tolerance=2e-4)
+
+    ray.get(two.save.remote(str(tmp_path / "ckpt")))
+    fresh = TrainerGroup.remote(_megatron(path, 1, max_tokens=12), make_placement(placement.colocated(1)))
+    ray.get(fresh.load.remote(str(tmp_path / "ckpt")))
+    torch.testing.assert_close(_flat(ray.get(fresh.compute_logprobs.remote(batch))), after2, atol=1e-6, rtol=0)
+    m_fresh, m_two = ray.get([fresh.train_step.remote(batch), two.train_step.remote(batch)])
+    assert m_fresh["loss"] == pytest.approx(m_two["loss"], rel=1e-4, abs=1e-6)
+    assert m_fresh["grad_norm"] == pytest.approx(m_two["grad_norm"], rel=1e-4)

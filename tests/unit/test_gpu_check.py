@@ -29,11 +29,12 @@ def _rows(tmp_path: Path) -> dict[str, list[dict]]:
 
 def test_every_row_runs_on_cpu_without_ray(tiny_model_path, tmp_path):
     """Engine vs HF generate (dense and MoE), engine/trainer logprobs, GRPO step in three layouts, colocated sync
-    between two processes, a verified sync then generation, and the Megatron step: all rows, agreeing figures."""
+    between two processes, a verified sync then generation, and the Megatron steps (dense, MoE): all rows, agreeing
+    figures."""
     rows = _rows(tmp_path)
     assert set(rows) == {
         "engine decode", "engine MoE decode", "engine vs trainer logprobs", "grpo step", "colocated sync",
-        "verified sync", "megatron step",
+        "verified sync", "megatron step", "megatron MoE step",
     }  # fmt: skip
     for check in ("engine decode", "engine MoE decode", "colocated sync"):
         assert all(r["value"] > 0 and r["reference"] > 0 for r in rows[check]), rows[check]
@@ -45,3 +46,5 @@ def test_every_row_runs_on_cpu_without_ray(tiny_model_path, tmp_path):
     assert verified["value"] < 1e-5
     [megatron] = rows["megatron step"]
     assert megatron["ratio"] == pytest.approx(1.0, rel=1e-3)  # Megatron's gradient norm = the torch backend's
+    [moe] = rows["megatron MoE step"]  # megatron-core's MoE layers: the HF Mixtral's gradient
+    assert moe["value"] > 0 and moe["ratio"] == pytest.approx(1.0, rel=1e-3)

@@ -28,7 +28,7 @@ from pydantic import Field, model_validator
 
 from miles_ray.actors.workers import Worker, from_masked_lists, masked_lists, start_workers
 from miles_ray.backends import rl_step
-from miles_ray.backends.megatron_backend import MegatronBackendConfig
+from miles_ray.backends.megatron_model import MegatronBackendConfig
 from miles_ray.backends.objectives import ObjectiveConfig
 from miles_ray.backends.optimizer import OptimizerConfig
 from miles_ray.backends.torch_parallel import TorchBackendConfig

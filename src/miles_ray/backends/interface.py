@@ -10,6 +10,7 @@ these primitives, the same for every backend::
                         grad_sync(enabled), backward(loss, units, total_units), clip_and_step(loss_sum),
                         global_sum(values), global_max(value), gather_shards(local), save(path), load(path)
     TrainBackend        LogprobModel + StepPrimitives + reference, route_counts(),
+                        forward_backward(batches, temperature, loss_of, total_units) -> stats per micro-batch,
                         sync_plan(dtype, bucket_bytes), gather_bucket(bucket, dtype), hf_state(dtype)
     CriticBackend       StepPrimitives + micro_batches(batch), train(mode), forward_values(batch)
 
@@ -23,7 +24,7 @@ next-token logprobs (``logprobs[:, t]`` is the log-probability of ``input_ids[:,
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
@@ -107,10 +108,28 @@ class StepPrimitives(Protocol):
         ...
 
 
+# (micro-batch index, micro-batch, logprobs, entropy) -> (loss, its units, its metric sums): the RL step's loss
+LossOf = Callable[[int, RolloutBatch, torch.Tensor, torch.Tensor], tuple[torch.Tensor, float, dict[str, float]]]
+
+
 class TrainBackend(LogprobModel, StepPrimitives, Protocol):
     """One rank of the trained policy."""
 
     reference: LogprobModel | None  # the frozen KL reference on this rank, if the trainer keeps one here
+
+    def forward_backward(
+        self, batches: list[RolloutBatch], temperature: float, loss_of: LossOf, total_units: float
+    ) -> list[dict[str, float]]:
+        """Forward and backward every micro-batch, its loss from ``loss_of``, weighted by ``units / total_units``.
+
+        In turn, each inside its ``micro_batch`` context and gradients reduced after the last (``DataParallelOps``);
+        or through a pipeline schedule, where the loss is computed on the last stage only.
+
+        Returns:
+            ``loss_of``'s stats of each micro-batch, in order, on every rank.
+
+        """
+        ...
 
     def route_counts(self) -> tuple[float, float] | None:
         """MoE: ``(differing, recorded)`` (token, layer) expert sets since the last call (then reset); else None."""

@@ -1,12 +1,13 @@
-"""Megatron-core training backend: a GPT built from an HF Llama/Qwen2/Qwen3 (or MoE), TP, Megatron's optimizer.
+"""Megatron-core training backend: a GPT built from an HF Llama/Qwen2/Qwen3 (or MoE), TP/EP/PP, Megatron's optimizer.
 
-One trainer rank per process, as with the torch backend: ranks form ``TP x DP`` groups (``parallel_state``),
-each TP group holds one model split across its ranks and trains on one data-parallel shard. The model is
-megatron-core's ``GPTModel`` with the pure-PyTorch ("local") layer spec, so it runs on CPU with gloo as well
-as on GPUs (Transformer Engine is not required); weights come in from the HF directory
-(``megatron_convert.hf_to_megatron``), train under Megatron's DDP and optimizer (``get_megatron_optimizer``),
-save to / load from ``dist_checkpointing`` checkpoints that reload under another TP size, and leave as
-HF-named tensors (gathered from rank 0's TP group) for the weight broadcaster.
+One trainer rank per process, as with the torch backend: ranks form ``TP x PP x DP`` groups (``parallel_state``;
+MoE layers spread their experts over EP of the DP ranks), each TP x PP group holds one model split across its
+ranks and trains on one data-parallel shard. The model is megatron-core's ``GPTModel`` with the pure-PyTorch
+("local") layer spec (``megatron_model.build_gpt``), so it runs on CPU with gloo as well as on GPUs (Transformer
+Engine is not required); it trains under Megatron's DDP and optimizer (``get_megatron_optimizer``), its
+micro-batches go through megatron's pipeline schedule under PP, it saves to / loads from ``dist_checkpointing``
+checkpoints that reload under another layout, and leaves as HF-named tensors (gathered on rank 0) for the weight
+broadcaster.
 
 The loss, advantages, KL and mismatch corrections are ``backends.rl_step.RLStep``, the same as for the torch
 backend: this class implements the ``TrainBackend`` primitives (``forward_logprobs`` with vocab-parallel logprobs
@@ -22,299 +23,36 @@ Usage (inside a rank whose ``torch.distributed`` default group spans all trainer
 
 from __future__ import annotations
 
-import copy
-import dataclasses
-import json
 import math
 from pathlib import Path
-from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from pydantic import Field, model_validator
 
 from miles_ray.backends import megatron_cpu
 from miles_ray.backends.megatron_convert import (
-    GPTShape,
     expert_on_rank,
-    hf_to_megatron,
+    from_stage,
     megatron_sources,
     megatron_to_hf,
+    on_stage,
+)
+from miles_ray.backends.megatron_model import (
+    MegatronBackendConfig,
+    MegatronParallelConfig,
+    build_gpt,
+    rope_at_positions,
 )
 from miles_ray.backends.optimizer import OptimizerConfig
-from miles_ray.backends.packing import MicroBatchConfig, micro_batches_of, pack_rows
+from miles_ray.backends.packing import micro_batches_of, pack_rows
 from miles_ray.backends.routing import MegatronRouteTracker, track_routes
-from miles_ray.backends.torch_parallel import DataParallelOps, load_rng, save_rng
-from miles_ray.config import StrictConfig
+from miles_ray.backends.torch_parallel import DataParallelOps, forward_backward_in_turn, load_rng, save_rng
 from miles_ray.devices import rank_device
-from miles_ray.models.llama import LlamaArgs
 from miles_ray.sync.buckets import Bucket, SyncPlan, pack, plan_buckets
 from miles_ray.types import RolloutBatch
 
-# TransformerConfig fields this backend sets itself (from the HF config or the typed fields below)
-_OWNED = set(
-    """num_layers hidden_size num_attention_heads num_query_groups ffn_hidden_size kv_channels normalization
-    gated_linear_unit activation_func add_bias_linear add_qkv_bias qk_layernorm layernorm_epsilon
-    tensor_model_parallel_size
-    pipeline_model_parallel_size context_parallel_size expert_model_parallel_size sequence_parallel
-    recompute_granularity recompute_method recompute_num_layers params_dtype bf16 use_cpu_initialization
-    gradient_accumulation_fusion num_moe_experts moe_layer_freq moe_router_topk moe_ffn_hidden_size
-    moe_router_pre_softmax moe_router_score_function moe_router_dtype""".split()
-)
-
-
-class MegatronParallelConfig(StrictConfig):
-    """Megatron's parallel and recompute settings, passed to ``parallel_state`` and ``TransformerConfig``."""
-
-    tensor_model_parallel_size: int = Field(1, ge=1, le=1024, description="TP: ranks one model is split across.")
-    pipeline_model_parallel_size: int = Field(1, ge=1, le=1, description="PP: only 1 is supported yet.")
-    context_parallel_size: int = Field(1, ge=1, le=1, description="CP: only 1 is supported yet.")
-    expert_model_parallel_size: int = Field(
-        1,
-        ge=1,
-        le=1024,
-        description="EP: ranks an MoE layer's experts are spread over (each holds experts / EP of them); the ranks of "
-        "one expert-parallel group are data-parallel peers for everything else.",
-    )
-    sequence_parallel: bool = Field(False, description="Shard norms/dropout activations over the TP ranks.")
-    recompute_granularity: Literal["full", "selective"] | None = Field(
-        None, description="Activation recompute: 'full' layers or 'selective' (attention core); None: off."
-    )
-    recompute_method: Literal["uniform", "block"] | None = Field(None, description="With 'full': how layers group.")
-    recompute_num_layers: int | None = Field(None, ge=1, description="With 'full': layers per recompute unit.")
-
-    @model_validator(mode="after")
-    def _check(self) -> MegatronParallelConfig:
-        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
-            raise ValueError("sequence_parallel needs tensor_model_parallel_size > 1")
-        if self.recompute_granularity == "full" and (self.recompute_method is None or not self.recompute_num_layers):
-            raise ValueError("recompute_granularity='full' needs recompute_method and recompute_num_layers")
-        return self
-
-
-class MegatronBackendConfig(MicroBatchConfig):
-    """Megatron-core backend of ``TrainerGroup`` (``backend={"kind": "megatron", ...}``)."""
-
-    kind: Literal["megatron"] = "megatron"
-    parallel: MegatronParallelConfig = Field(default_factory=MegatronParallelConfig, description="TP/PP/CP/EP.")
-    dtype: Literal["float32", "bfloat16"] = Field(
-        "float32", description="Model dtype; bfloat16 keeps fp32 main params and grads in Megatron's optimizer."
-    )
-    num_threads: int = Field(1, ge=1, le=256, description="torch intra-op threads per rank.")
-    seed: int = Field(1234, description="Seed of Megatron's RNG tracker (per-TP-rank states).")
-    transformer_args: dict[str, Any] = Field(
-        default_factory=dict,
-        description="More megatron TransformerConfig fields, passed as is (checked against TransformerConfig at "
-        "setup); the architecture and the fields above are set from the HF config and may not be given here.",
-    )
-    routing_replay: bool = Field(
-        False,
-        description="MoE: route every token through the experts the rollout engine recorded for it (R3), weighted "
-        "by the trainer's router; off, the routes are only compared (moe_route_mismatch_frac).",
-    )
-    # the trainer reads these of any backend config; Megatron has no LoRA or low-precision recipe yet
-    lora: None = Field(None, description="LoRA is not supported by the Megatron backend yet (None).")
-    weight_format: None = Field(None, description="Low-precision recipes are not supported here yet (None).")
-
-    @model_validator(mode="after")
-    def _check_args(self) -> MegatronBackendConfig:
-        owned = sorted(set(self.transformer_args) & _OWNED)
-        if owned:
-            raise ValueError(f"transformer_args may not set {owned}: they come from the HF config or `parallel`")
-        return self
-
-
-def _transformer_config(hf: dict, args: LlamaArgs, config: MegatronBackendConfig):
-    from megatron.core.transformer import TransformerConfig
-
-    known = {f.name for f in dataclasses.fields(TransformerConfig)}
-    unknown = sorted(set(config.transformer_args) - known)
-    if unknown:
-        raise ValueError(f"transformer_args: {unknown} are not megatron TransformerConfig fields")
-    if hf.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"hidden_act must be 'silu' for the Megatron backend, got {hf.get('hidden_act')!r}")
-    p = config.parallel
-    bf16 = config.dtype == "bfloat16"
-    extra = {
-        "attention_dropout": 0.0,
-        "hidden_dropout": 0.0,
-        "bias_dropout_fusion": False,
-        "apply_rope_fusion": False,
-        "masked_softmax_fusion": False,
-        "persist_layer_norm": False,
-        **(_MOE_DEFAULTS if args.moe_layers else {}),
-        **config.transformer_args,
-    }
-    return TransformerConfig(
-        num_layers=args.num_layers,
-        hidden_size=args.hidden_size,
-        num_attention_heads=args.num_heads,
-        num_query_groups=args.num_kv_heads,
-        kv_channels=args.head_dim,
-        ffn_hidden_size=args.intermediate_size,
-        normalization="RMSNorm",
-        layernorm_epsilon=args.rms_norm_eps,
-        gated_linear_unit=True,
-        activation_func=torch.nn.functional.silu,
-        add_bias_linear=False,
-        add_qkv_bias=args.attention_bias,
-        qk_layernorm=args.qk_norm,
-        tensor_model_parallel_size=p.tensor_model_parallel_size,
-        pipeline_model_parallel_size=p.pipeline_model_parallel_size,
-        context_parallel_size=p.context_parallel_size,
-        expert_model_parallel_size=p.expert_model_parallel_size,
-        sequence_parallel=p.sequence_parallel,
-        recompute_granularity=p.recompute_granularity,
-        recompute_method=p.recompute_method,
-        recompute_num_layers=p.recompute_num_layers,
-        params_dtype=torch.bfloat16 if bf16 else torch.float32,
-        bf16=bf16,
-        use_cpu_initialization=True,
-        gradient_accumulation_fusion=False,
-        **_moe_args(args),
-        **extra,
-    )
-
-
-def _moe_args(args: LlamaArgs) -> dict:
-    """Megatron's MoE settings for an HF MoE config: HF's routing, megatron-core's layers (empty for a dense model).
-
-    HF routes by softmax over all experts then top-k, renormalised with ``norm_topk_prob``; Megatron's router
-    without ``pre_softmax`` takes the top-k logits then a softmax over them, which is the renormalised form, and
-    with it the plain one. No load-balancing loss (HF trains without one unless ``output_router_logits``).
-    """
-    if not args.moe_layers:
-        return {}
-    return {
-        "num_moe_experts": args.num_experts,
-        "moe_layer_freq": [int(i in args.moe_layers) for i in range(args.num_layers)],
-        "moe_router_topk": args.top_k,
-        "moe_ffn_hidden_size": args.moe_intermediate_size,
-        "moe_router_pre_softmax": not args.norm_topk_prob,
-        "moe_router_score_function": "softmax",
-        "moe_router_dtype": "fp32",
-    }
-
-
-# MoE settings a user may change through transformer_args (e.g. an auxiliary load-balancing loss)
-_MOE_DEFAULTS = {
-    "moe_router_load_balancing_type": "none",
-    "moe_aux_loss_coeff": 0.0,
-    "moe_token_dispatcher_type": "allgather",
-}
-
-
-class _SequenceParallelRMSNorm(torch.nn.RMSNorm):
-    """torch's RMSNorm for megatron specs under sequence parallelism.
-
-    megatron's torch-norm wrapper refuses sequence parallelism and its TE/apex norms need a GPU. Each TP rank
-    normalises its own part of the sequence (or, for q/k norms, its own heads), so the weight is tagged
-    ``sequence_parallel`` and ``finalize_model_grads`` sums its gradient over the TP ranks.
-    """
-
-    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_):
-        super().__init__(hidden_size, eps=eps)
-        self.weight.sequence_parallel = config.sequence_parallel
-
-
-def _with_norm(spec, norm: type):
-    """``spec`` (megatron ModuleSpecs, submodule dataclasses, layer lists) with its torch norms replaced by ``norm``."""
-    from megatron.core.transformer.spec_utils import ModuleSpec
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
-
-    if spec is WrappedTorchNorm:
-        return norm
-    if isinstance(spec, list):
-        return [_with_norm(s, norm) for s in spec]
-    if isinstance(spec, ModuleSpec) or (dataclasses.is_dataclass(spec) and not isinstance(spec, type)):
-        for field in dataclasses.fields(spec):
-            setattr(spec, field.name, _with_norm(getattr(spec, field.name), norm))
-    return spec
-
-
-def build_gpt(model_path: str, config: MegatronBackendConfig):
-    """Megatron ``GPTModel`` shard of this TP rank with the HF weights at ``model_path`` (model parallel initialised).
-
-    Returns:
-        ``(model, shape, hf_shapes)``: the module, its ``GPTShape`` and the HF name -> shape of every weight.
-
-    Raises:
-        ValueError: for an unsupported architecture or a TP size the model does not split over.
-
-    """
-    from megatron.core import parallel_state as ps
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
-    from safetensors.torch import load_file
-
-    from miles_ray.models.moe import fuse_checkpoint_experts
-
-    hf = json.loads((Path(model_path) / "config.json").read_text())
-    shape = GPTShape.from_hf_config(hf)  # refuses what the Megatron spec does not cover
-    args = LlamaArgs.from_hf_config(hf)
-    tconfig = _transformer_config(hf, args, config)
-    tp = config.parallel.tensor_model_parallel_size
-    if args.vocab_size % tp:
-        raise ValueError(f"vocab_size={args.vocab_size} does not split over tensor_model_parallel_size={tp}")
-    if args.moe_layers and tp > 1 and not config.parallel.sequence_parallel:
-        raise ValueError(
-            f"an MoE model at tensor_model_parallel_size={tp} needs parallel.sequence_parallel=True (megatron-core "
-            "trains MoE layers under tensor parallelism only with it)"
-        )
-    ep = config.parallel.expert_model_parallel_size
-    if ep > 1 and not args.moe_layers:
-        raise ValueError(f"expert_model_parallel_size={ep} needs an MoE model; {model_path} is dense")
-    if args.moe_layers:  # dense and MoE layers as moe_layer_freq says
-        spec = get_gpt_decoder_block_spec(tconfig, use_transformer_engine=False, normalization="RMSNorm")
-    else:
-        spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=args.qk_norm)
-    if config.parallel.sequence_parallel:
-        spec = _with_norm(copy.deepcopy(spec), _SequenceParallelRMSNorm)
-    model = GPTModel(
-        config=tconfig,
-        transformer_layer_spec=spec,
-        vocab_size=args.vocab_size,
-        max_sequence_length=hf.get("max_position_embeddings", 4096),
-        position_embedding_type="rope",
-        rotary_base=args.rope_theta,
-        share_embeddings_and_output_weights=shape.tie_word_embeddings,
-    )
-    state = {}
-    for f in sorted(Path(model_path).glob("*.safetensors")):
-        state.update(load_file(f))
-    if args.moe_layers:  # HF's in-memory (fused) expert names: what engines hold and syncs send
-        state = fuse_checkpoint_experts(state, args.num_experts)
-    tied = shape.tie_word_embeddings
-    hf_shapes = {n: tuple(t.shape) for n, t in state.items() if not (tied and n == "lm_head.weight")}
-    shard = hf_to_megatron(
-        state, shape, tp, ps.get_tensor_model_parallel_rank(), ep, ps.get_expert_model_parallel_rank()
-    )
-    dtype = tconfig.params_dtype
-    missing, unexpected = model.load_state_dict({k: v.to(dtype) for k, v in shard.items()}, strict=False)
-    missing = [m for m in missing if not m.endswith("._extra_state")]
-    if missing or unexpected:
-        raise ValueError(f"{model_path}: Megatron weights missing {missing[:5]}, unexpected {unexpected[:5]}")
-    return model, shape, hf_shapes
-
-
-def _rope_at_positions(rope: torch.nn.Module) -> None:
-    """Let Megatron's RoPE take per-token position ids (``rope.position_ids``, ``[B, L]``) instead of ``0..L-1``.
-
-    Megatron's ``GPTModel`` applies rotary embeddings by sequence index alone (its ``position_ids`` feed learned
-    absolute embeddings only); packed rows restart positions per segment and continue the prompt's in each response.
-    The ``[L, B, 1, dim]`` table this returns broadcasts like Megatron's own ``[L, 1, 1, dim]`` one.
-    """
-    plain = rope.forward
-    rope.position_ids = None
-
-    def forward(max_seq_len: int, offset: int = 0, packed_seq: bool = False, cp_group=None):
-        if rope.position_ids is None:
-            return plain(max_seq_len, offset, packed_seq, cp_group)
-        table = rope.get_emb(int(rope.position_ids.max()) + 1)  # [P, 1, 1, dim]
-        return table[rope.position_ids.t()][:, :, 0]  # [L, B, 1, dim]
-
-    rope.forward = forward
+__all__ = ["MegatronBackend", "MegatronBackendConfig", "MegatronParallelConfig"]
 
 
 def _sequence_pad(length: int, parallel: MegatronParallelConfig) -> int:
@@ -322,13 +60,33 @@ def _sequence_pad(length: int, parallel: MegatronParallelConfig) -> int:
     return -length % parallel.tensor_model_parallel_size if parallel.sequence_parallel else 0
 
 
-def _pad_mask(blocked: torch.Tensor, pad: int) -> torch.Tensor:
-    """A ``[N, 1, L, L]`` attention mask (True: blocked) grown by ``pad`` tokens that attend to themselves alone."""
-    n, _, length, _ = blocked.shape
-    size = length + pad
-    out = (~torch.eye(size, dtype=torch.bool)).expand(n, 1, size, size).clone()
-    out[:, :, :length, :length] = blocked
+def _grow_mask(blocked: torch.Tensor, rows: int, length: int) -> torch.Tensor:
+    """A ``[N, 1, L, L]`` attention mask (True: blocked) grown to ``rows x length``: new tokens attend to themselves."""
+    n, _, size, _ = blocked.shape
+    out = (~torch.eye(length, dtype=torch.bool)).expand(rows, 1, length, length).clone()
+    out[:n, :, :size, :size] = blocked
     return out
+
+
+def _split_to(rows: list[torch.Tensor], count: int) -> list[torch.Tensor]:
+    """``rows`` (micro-batches) cut into ``count``: the largest halved until there are as many.
+
+    Raises:
+        ValueError: if that needs more micro-batches than this rank has samples.
+
+    """
+    rows = list(rows)
+    while len(rows) < count:
+        i = max(range(len(rows)), key=lambda j: len(rows[j]), default=None)
+        if i is None or len(rows[i]) < 2:
+            raise ValueError(
+                f"expert parallelism runs the forwards of the ranks exchanging tokens together: a peer has {count} "
+                f"micro-batches, this rank {sum(len(r) for r in rows)} samples; give each rank more samples per step "
+                "or raise micro_batch_size"
+            )
+        half = len(rows[i]) // 2
+        rows[i : i + 1] = [rows[i][:half], rows[i][half:]]
+    return rows
 
 
 def _vocab_parallel_logprobs_entropy(logits: torch.Tensor, targets: torch.Tensor, temperature: float):
@@ -386,21 +144,27 @@ class MegatronBackend(DataParallelOps):
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
         megatron_cpu.apply()
-        tp, ep = config.parallel.tensor_model_parallel_size, config.parallel.expert_model_parallel_size
+        p = config.parallel
+        tp, ep, pp = p.tensor_model_parallel_size, p.expert_model_parallel_size, p.pipeline_model_parallel_size
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
-        if self.world_size % tp:
-            raise ValueError(f"tensor_model_parallel_size={tp} must divide the trainer's num_ranks={self.world_size}")
-        if self.world_size % (tp * ep):
+        if self.world_size % (tp * pp):
             raise ValueError(
-                f"expert_model_parallel_size={ep} x tensor_model_parallel_size={tp} must divide the trainer's "
+                f"tensor_model_parallel_size={tp} x pipeline_model_parallel_size={pp} must divide the trainer's "
                 f"num_ranks={self.world_size}"
+            )
+        if self.world_size % (tp * ep * pp):
+            raise ValueError(
+                f"expert_model_parallel_size={ep} x tensor_model_parallel_size={tp} x pipeline_model_parallel_size="
+                f"{pp} must divide the trainer's num_ranks={self.world_size}"
             )
         if reference:
             raise ValueError("the Megatron backend keeps no on-rank KL reference: give TrainerGroup a ReferenceGroup")
         torch.set_num_threads(config.num_threads)
         if not ps.model_parallel_is_initialized():
-            ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
+            ps.initialize_model_parallel(
+                tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep
+            )
         tensor_parallel.model_parallel_cuda_manual_seed(config.seed)
         self.config = config
         self.optim_config = optim
@@ -412,6 +176,12 @@ class MegatronBackend(DataParallelOps):
         self.tp_group = ps.get_tensor_model_parallel_group()
         self.tp_rank = ps.get_tensor_model_parallel_rank()
         self.tp_size = tp
+        self.pp_group, self.pp_size = ps.get_pipeline_model_parallel_group(), pp
+        self.pp_rank, self.pp_last = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_last_rank()
+        self.last_stage = ps.is_pipeline_last_stage()
+        self._step_shape: list[int] | None = None  # under PP: the [rows, length] every forward of a step runs at
+        # the ranks whose MoE layers all-gather each other's tokens, when they hold different data
+        self.token_group = ps.get_expert_tensor_and_model_parallel_group() if ep > 1 else None
         module, self.shape, self.hf_shapes = build_gpt(model_path, config)
         for name, param in module.named_parameters():
             if ".mlp.experts." in name:
@@ -420,10 +190,15 @@ class MegatronBackend(DataParallelOps):
                 # checkpoint's optimizer state loads at EP=1 (expert-DP = DP there: the same reduction)
                 param.allreduce = False
         self.hf_model = module.to(self.device)
-        _rope_at_positions(self.hf_model.rotary_pos_emb)  # packed rows give every token its own position
+        rope_at_positions(self.hf_model.rotary_pos_emb)  # packed rows give every token its own position
         self.routes = None  # MoE: the rollout's routes compared, or replayed with config.routing_replay
         if config.routing_replay or self.shape.moe_layers:
-            shard = (self.tp_rank, tp) if config.parallel.sequence_parallel else None
+            if pp > 1 and p.recompute_granularity is not None:
+                raise ValueError(
+                    "an MoE model under pipeline_model_parallel_size > 1 takes no recompute_granularity: the 1F1B "
+                    "schedule interleaves micro-batches, so a recomputed router would not see its own routes"
+                )
+            shard = (self.tp_rank, tp) if p.sequence_parallel else None
             self.routes = MegatronRouteTracker(self.hf_model, replay=config.routing_replay, sequence_shard=shard)
         ddp = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
@@ -436,8 +211,22 @@ class MegatronBackend(DataParallelOps):
 
     # --- the primitives RLStep drives (backends.interface.TrainBackend) ----------------------------------------------
     def micro_batches(self, batch: RolloutBatch) -> list[torch.Tensor]:
-        """The batch's rows cut into micro-batches of whole shared-prefix segments (``backends.packing``)."""
-        return micro_batches_of(batch, self.config)
+        """The batch's rows cut into micro-batches of whole shared-prefix segments (``backends.packing``).
+
+        Under expert parallelism every rank exchanging tokens with this one runs as many forwards (megatron's
+        dispatcher all-gathers tokens over them in each MoE layer), so the count is the largest of theirs: a
+        collective over those ranks.
+        """
+        rows = micro_batches_of(batch, self.config)
+        if self.token_group is None:
+            return rows
+        return _split_to(rows, self._token_group_max([len(rows)])[0])
+
+    def _token_group_max(self, values: list[int]) -> list[int]:
+        """``values`` maximised element-wise over the ranks exchanging MoE tokens with this one."""
+        t = torch.tensor(values, dtype=torch.long, device=self._on())
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.token_group)
+        return t.tolist()
 
     def train(self, mode: bool = True) -> None:
         """Training or evaluation mode."""
@@ -456,56 +245,166 @@ class MegatronBackend(DataParallelOps):
 
     def route_counts(self) -> tuple[float, float] | None:
         """MoE: ``(differing, recorded)`` (token, layer) expert sets since the last call, reset; else None."""
-        return None if self.routes is None else self.routes.take_mismatch()
+        if self.routes is None:
+            return None
+        counts = self.routes.take_mismatch()
+        if self.pp_size > 1:  # each stage counts its own MoE layers
+            t = torch.tensor(counts, dtype=torch.float64, device=self._on())
+            dist.all_reduce(t, group=self.pp_group)
+            counts = tuple(t.tolist())
+        return counts
 
     def forward_logprobs(self, batch: RolloutBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
         """``[B, T-1]`` next-token logprobs and entropies (vocab-parallel) of the trained tokens, 0 elsewhere.
 
-        Packed (``config.packing``), a shared prompt is forwarded once for every sample that starts with it.
+        Packed (``config.packing``), a shared prompt is forwarded once for every sample that starts with it. Under
+        pipeline parallelism, without gradients only (a step's forwards run in ``forward_backward``), the batch goes
+        through megatron's schedule and the last stage's logprobs are broadcast to every stage.
+
+        Raises:
+            RuntimeError: under pipeline parallelism with gradients enabled.
+
+        """
+        inputs, finish = self._inputs(batch, temperature)
+        if self.pp_size == 1:
+            return finish(self._forward(*inputs))
+        if torch.is_grad_enabled():
+            raise RuntimeError("under pipeline parallelism a forward with gradients runs in forward_backward alone")
+        out = torch.zeros(2, *batch.response_mask.shape, device=self.device)
+
+        def keep(i: int, mb: RolloutBatch, lp: torch.Tensor, entropy: torch.Tensor) -> torch.Tensor:
+            out.copy_(torch.stack([lp, entropy]))
+            return lp.new_zeros(())
+
+        self._schedule([batch], temperature, keep, forward_only=True)
+        dist.broadcast(out, src=self.pp_last, group=self.pp_group)
+        return out[0], out[1]
+
+    def _inputs(self, batch: RolloutBatch, temperature: float):
+        """``((input_ids, positions, blocked), finish)`` of a forward over ``batch``.
+
+        ``finish(logits)`` turns the forward's logits into ``forward_logprobs``'s ``(logprobs, entropy)``.
         """
         p = self.config.packing
         if p is None:
-            return self._padded_logprobs(batch, temperature)
+            return self._padded_inputs(batch, temperature)
         packed = pack_rows(batch, p.share_prefix, p.max_row_tokens)
-        blocked = ~packed.attention  # Megatron's masks are True where attention is not allowed
-        logits = self._forward(packed.input_ids, packed.position_ids, blocked)  # [R, L, V/tp]
         targets = batch.input_ids[:, 1:][packed.source >= 0].to(self.device)
-        lp, entropy = _vocab_parallel_logprobs_entropy(packed.needed(logits)[None], targets[None], temperature)
-        return packed.scatter(lp[0]), packed.scatter(entropy[0])
 
-    def _padded_logprobs(self, batch: RolloutBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """``forward_logprobs`` on one padded row per sample, 0 before the first trained position."""
+        def finish(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [R, L, V/tp]
+            lp, entropy = _vocab_parallel_logprobs_entropy(packed.needed(logits)[None], targets[None], temperature)
+            return packed.scatter(lp[0]), packed.scatter(entropy[0])
+
+        # Megatron's masks are True where attention is not allowed
+        return (packed.input_ids, packed.position_ids, ~packed.attention), finish
+
+    def _padded_inputs(self, batch: RolloutBatch, temperature: float):
+        """``_inputs`` of one padded row per sample: logprobs 0 before the first trained position."""
         input_ids = batch.input_ids.to(self.device)
         bsz, seq = input_ids.shape
         positions = torch.arange(seq).expand(bsz, seq)
         # right padding and causal attention: padded keys only ever follow the real tokens
         causal = torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1)[None, None]
-        logits = self._forward(batch.input_ids, positions, causal)  # [B, T, V/tp]
         start = batch.first_trained_position()
-        lp, entropy = _vocab_parallel_logprobs_entropy(
-            logits[:, start : seq - 1], input_ids[:, start + 1 :], temperature
-        )
-        pad = lp.new_zeros(bsz, start)
-        return torch.cat([pad, lp], dim=1), torch.cat([pad, entropy], dim=1)
+
+        def finish(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [B, T, V/tp]
+            lp, entropy = _vocab_parallel_logprobs_entropy(
+                logits[:, start : seq - 1], input_ids[:, start + 1 :], temperature
+            )
+            pad = lp.new_zeros(bsz, start)
+            return torch.cat([pad, lp], dim=1), torch.cat([pad, entropy], dim=1)
+
+        return (batch.input_ids, positions, causal), finish
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, blocked: torch.Tensor) -> torch.Tensor:
         """The model's ``[rows, L, V/tp]`` logits for ``[rows, L]`` tokens at per-token ``positions``.
 
         With sequence parallelism megatron splits the sequence over the TP ranks, so rows are padded to a multiple
-        of TP first: pad tokens attend to themselves alone and no real token attends to them.
+        of TP first; under expert parallelism, rows and length are padded to the largest of the ranks exchanging
+        MoE tokens. Pad tokens attend to themselves alone and no real token attends to them.
         """
-        length = input_ids.shape[1]
-        pad = _sequence_pad(length, self.config.parallel)
-        if pad:
-            input_ids, positions = F.pad(input_ids, (0, pad)), F.pad(positions, (0, pad))
-            blocked = _pad_mask(blocked, pad)
+        rows, length = input_ids.shape
+        shape = self._step_shape or self._forward_shape(rows, length)
+        if shape != [rows, length]:
+            input_ids = F.pad(input_ids, (0, shape[1] - length, 0, shape[0] - rows))
+            positions = F.pad(positions, (0, shape[1] - length, 0, shape[0] - rows))
+            blocked = _grow_mask(blocked.expand(rows, -1, -1, -1), *shape)
+        if self.routes is not None:
+            self.routes.layout(*shape)
         rope = self.hf_model.rotary_pos_emb
         rope.position_ids = positions.to(self.device)
         try:
             logits = self.model(input_ids.to(self.device), rope.position_ids, attention_mask=blocked.to(self.device))
         finally:
             rope.position_ids = None
-        return logits[:, :length]
+        return logits[:rows, :length] if self.last_stage else logits  # earlier stages: [L, rows, hidden] activations
+
+    def _forward_shape(self, rows: int, length: int) -> list[int]:
+        """The ``[rows, length]`` a forward of ``rows x length`` tokens runs at.
+
+        A multiple of TP long under sequence parallelism and, under expert parallelism, the largest of the ranks
+        exchanging MoE tokens (which all-gather them: a collective over those ranks).
+        """
+        shape = [rows, length + _sequence_pad(length, self.config.parallel)]
+        if self.token_group is not None:
+            shape = self._token_group_max(shape)
+        return shape
+
+    def forward_backward(self, batches, temperature: float, loss_of, total_units: float) -> list[dict[str, float]]:
+        """The micro-batches in turn (``torch_parallel.forward_backward_in_turn``), or through the pipeline schedule.
+
+        Under pipeline parallelism the last stage computes each micro-batch's loss and its stats are broadcast to
+        the other stages.
+        """
+        if self.pp_size == 1:
+            return forward_backward_in_turn(self, batches, temperature, loss_of, total_units)
+        stats: list = [None] * len(batches)
+
+        def loss(i: int, mb: RolloutBatch, lp: torch.Tensor, entropy: torch.Tensor) -> torch.Tensor:
+            value, units, stats[i] = loss_of(i, mb, lp, entropy)
+            # its share of the global batch, as DataParallelOps.backward; the schedule divides by the micro-batches
+            return value * (units / total_units * self.dp_size * len(batches))
+
+        self._schedule(batches, temperature, loss, forward_only=False)
+        box = [stats]
+        dist.broadcast_object_list(box, src=self.pp_last, group=self.pp_group)
+        return box[0]
+
+    def _schedule(self, batches: list[RolloutBatch], temperature: float, on_logprobs, forward_only: bool) -> None:
+        """``batches`` through megatron's pipeline schedule (1F1B; forwards only with ``forward_only``).
+
+        Each stage runs its layers; the last one calls ``on_logprobs(i, batch, logprobs, entropy)`` for micro-batch
+        ``i``'s loss, which the schedule backwards through every stage. Stages exchange activations of one shape, so
+        every micro-batch is padded to the step's largest. Routes are followed around the forwards only: with no
+        recompute (refused for MoE under PP) the backward does not run the routers again.
+        """
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        prepared = [self._inputs(mb, temperature) for mb in batches]
+        sizes = torch.tensor([inputs[0].shape for inputs, _ in prepared]).amax(dim=0).tolist()
+        rows, length = self._forward_shape(*sizes)
+
+        def step(data, model):
+            i, mb = next(data)
+            inputs, finish = prepared[i]
+            with self.micro_batch(mb):
+                out = self._forward(*inputs)
+            return out, lambda logits: (on_logprobs(i, mb, *finish(logits)), {})
+
+        self._step_shape = [rows, length]
+        try:  # on CPU: the schedule counts tokens in a tensor it puts on "cuda" (each op pays the shim's dispatch)
+            with megatron_cpu.cpu_devices():
+                get_forward_backward_func()(
+                    forward_step_func=step,
+                    data_iterator=iter(enumerate(batches)),
+                    model=[self.model],
+                    num_microbatches=len(batches),
+                    seq_length=length,
+                    micro_batch_size=rows,
+                    forward_only=forward_only,
+                )
+        finally:
+            self._step_shape = None
 
     def grad_sync(self, enabled: bool) -> None:
         """Gradients accumulate in Megatron's grad buffers; they are reduced once, before the step."""
@@ -520,7 +419,7 @@ class MegatronBackend(DataParallelOps):
 
         with megatron_cpu.cpu_devices():
             finalize_model_grads([self.model])
-        bad = 0.0 if math.isfinite(loss_sum) else 1.0
+        bad = 0.0 if math.isfinite(loss_sum) else 1.0  # the same on every pipeline stage (the stats are broadcast)
         skipped = self.global_sum([bad])[0] > 0
         norm = float("nan")
         if not skipped:
@@ -538,13 +437,15 @@ class MegatronBackend(DataParallelOps):
 
         Collective over rank 0's TP group (a gather to rank 0) and, for MoE experts, over the expert-TP and expert-
         parallel ranks of rank 0's replica (each expert-parallel rank holds a block of the experts, each expert-TP
-        rank a slice of them); the other replicas hold the same weights and do nothing.
+        rank a slice of them); the other replicas hold the same weights and do nothing. Under pipeline
+        parallelism each stage gathers its own tensors so, then sends them to rank 0.
         """
         from megatron.core import parallel_state as ps
 
         names = set(self.hf_shapes) if names is None else set(names)
-        wanted = {source for n in names for source in megatron_sources(n, self.shape)}
-        local = self.hf_model.state_dict()
+        stage = self.shape, self.pp_size, self.pp_rank  # names: model-wide layer numbers, this stage's tensors
+        wanted = {w for n in names for w in megatron_sources(n, self.shape) if on_stage(w, *stage) is not None}
+        local = {from_stage(name, *stage): t for name, t in self.hf_model.state_dict().items()}
         shards = {}
         if self.dp_rank == 0:
             for name in sorted(w for w in wanted if ".local_experts." not in w):  # the same order on every rank
@@ -562,10 +463,21 @@ class MegatronBackend(DataParallelOps):
                 for part in slices:  # then each slice of the same local expert of every EP rank
                     for r, piece in enumerate(self._gather(part, *ep, ps.get_expert_model_parallel_rank()) or ()):
                         shards.setdefault(expert_on_rank(name, num_local, r), []).append(piece)
+        if self.pp_size > 1:
+            shards = self._from_stages(shards)
         if self.rank != 0:
             return {}
         full = megatron_to_hf(shards, self.shape)
         return {n: t.to(dtype) for n, t in full.items() if n in names}
+
+    def _from_stages(self, shards: dict[str, list[torch.Tensor] | None]) -> dict[str, list[torch.Tensor]]:
+        """Every pipeline stage's gathered ``shards`` on rank 0 (from each stage's first rank: where they landed)."""
+        if self.rank % (self.world_size // self.pp_size):  # not a stage's first rank: rank 0's pipeline group
+            return {}
+        mine = {name: [t.cpu() for t in parts] for name, parts in shards.items() if parts is not None}
+        stages = [None] * self.pp_size if self.rank == 0 else None
+        dist.gather_object(mine, stages, dst=0, group=self.pp_group)
+        return {} if stages is None else {name: parts for stage in stages for name, parts in stage.items()}
 
     @staticmethod
     def _gather(tensor: torch.Tensor, group, size: int, rank: int) -> list[torch.Tensor] | None:

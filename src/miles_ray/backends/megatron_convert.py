@@ -13,8 +13,9 @@ Megatron's local-spec GPT names and layouts, per TP rank ``r`` of ``tp``:
 - norms: replicated (``input_layernorm``, ``pre_mlp_layernorm``, ``decoder.final_layernorm``; Qwen3's per-head
   ``self_attention.q_layernorm`` / ``k_layernorm``).
 
-``hf_to_megatron`` gives one rank's shard; ``megatron_to_hf`` takes every rank's shard of each tensor (rank
-order) and rebuilds the HF tensors. Both only slice, concatenate and reshape, so a round trip is bit-exact.
+``hf_to_megatron`` gives one rank's shard (``to_stage`` keeps what one pipeline stage holds, its layers numbered
+from 0); ``megatron_to_hf`` takes every rank's shard of each tensor (rank order) and rebuilds the HF tensors. Both
+only slice, concatenate and reshape, so a round trip is bit-exact.
 """
 
 from __future__ import annotations
@@ -269,3 +270,56 @@ def expert_on_rank(name: str, num_local: int, ep_rank: int | None = None) -> str
     e = int(expert[1])
     renumbered = e % num_local if ep_rank is None else ep_rank * num_local + e
     return name.replace(f".local_experts.{e}.", f".local_experts.{renumbered}.")
+
+
+def stage_layers(num_layers: int, pp: int, pp_rank: int) -> range:
+    """The layers pipeline stage ``pp_rank`` of ``pp`` holds: an even split, in order.
+
+    Raises:
+        ValueError: if ``pp`` does not divide ``num_layers``.
+
+    """
+    if num_layers % pp:
+        raise ValueError(f"pipeline_model_parallel_size={pp} must divide the model's num_hidden_layers={num_layers}")
+    per = num_layers // pp
+    return range(pp_rank * per, (pp_rank + 1) * per)
+
+
+def on_stage(name: str, s: GPTShape, pp: int, pp_rank: int) -> str | None:
+    """The name a Megatron tensor (layers numbered over the whole model) has on pipeline stage ``pp_rank``, or None.
+
+    Stage 0 holds the embedding, the last stage the final norm and the output layer, each stage its layers
+    (``stage_layers``) numbered from 0.
+    """
+    layer = _LAYER_RE.match(name)
+    if layer is not None:
+        layers = stage_layers(s.num_layers, pp, pp_rank)
+        i = int(layer[1])
+        return f"decoder.layers.{i - layers.start}.{layer[2]}" if i in layers else None
+    if name.startswith("embedding."):
+        return name if pp_rank == 0 else None
+    return name if pp_rank == pp - 1 else None
+
+
+def to_stage(state: dict[str, torch.Tensor], s: GPTShape, pp: int, pp_rank: int) -> dict[str, torch.Tensor]:
+    """What pipeline stage ``pp_rank`` holds of a (TP/EP-sharded) Megatron state dict, under its stage names.
+
+    With tied embeddings and several stages the last stage holds its own copy of the embedding as the output layer
+    (megatron sums the two copies' gradients, so they stay equal).
+    """
+    out = {}
+    for name, t in state.items():
+        local = on_stage(name, s, pp, pp_rank)
+        if local is not None:
+            out[local] = t
+    if s.tie_word_embeddings and pp > 1 and pp_rank == pp - 1:
+        out["output_layer.weight"] = state["embedding.word_embeddings.weight"]
+    return out
+
+
+def from_stage(name: str, s: GPTShape, pp: int, pp_rank: int) -> str:
+    """The model-wide name of pipeline stage ``pp_rank``'s tensor ``name`` (``on_stage``'s inverse)."""
+    layer = _LAYER_RE.match(name)
+    if layer is None:
+        return name
+    return f"decoder.layers.{int(layer[1]) + stage_layers(s.num_layers, pp, pp_rank).start}.{layer[2]}"

@@ -7,7 +7,7 @@ Every trainer rank runs one step per batch; every backend (torch, Megatron) runs
       rewards -= beta * KL(policy || ref)  KL in reward mode: each rank scores its shard, shards are gathered
       advantages                           GRPO / RLOO / REINFORCE++ from rewards, or GAE from critic values
     update(shard)                          this rank's shard
-      for each micro-batch:                gradients reduced over ranks on the last one only
+      backend.forward_backward(micro-batches, loss):  in turn, gradients reduced after the last (a pipeline: 1F1B)
         logprobs, entropy = forward        (MoE: routes compared or replayed, backward included)
         loss = policy loss (TIS/MIS token weights) + beta * KL (loss mode) - entropy bonus
         backward(loss, its share of the global batch's tokens or sequences)
@@ -26,6 +26,8 @@ Usage (on a rank whose backend is built)::
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -149,59 +151,63 @@ class RLStep:
         local_units = float(shard.response_mask.sum()) if self.per_token else float(shard.num_samples)
         total_units = b.global_sum([local_units])[0]
         b.route_counts()  # count this step's forwards only
+        rows = b.micro_batches(shard)
+        mbs = [shard.select(r) for r in rows]
+        # every reference logprob first: a LoRA reference switches the policy's adapters off while it runs
+        given = [None if ref_logprobs is None else ref_logprobs[r] for r in rows]
+        refs = [self._reference_logprobs(mb, ref) for mb, ref in zip(mbs, given)]
+        stats = b.forward_backward(mbs, self.objective.temperature, functools.partial(self._loss, refs), total_units)
+        lp_diff_max = max((s.pop("lp_diff_max") for s in stats), default=0.0)
         sums: dict[str, float] = dict.fromkeys(_SUMS, 0.0)
-        lp_diff_max = 0.0
-        batches = b.micro_batches(shard)
-        for i, rows in enumerate(batches):
-            b.grad_sync(i == len(batches) - 1)  # reduce gradients once, after the last micro-batch
-            ref = None if ref_logprobs is None else ref_logprobs[rows]
-            lp_diff_max = max(lp_diff_max, self._micro_batch(shard.select(rows), ref, total_units, sums))
+        for s in stats:
+            for k, v in s.items():
+                sums[k] = sums.get(k, 0.0) + v
         counts = b.route_counts()
         if counts is not None:
             sums["route_differ"], sums["route_recorded"] = counts
         grad_norm, skipped = b.clip_and_step(sums["loss"])
         return self._metrics(sums, local_units, b.global_max(lp_diff_max), grad_norm, skipped, counts is not None)
 
-    def _micro_batch(self, mb: RolloutBatch, ref: torch.Tensor | None, total_units: float, sums: dict) -> float:
-        """Forward, loss and backward of one micro-batch; adds its sums to ``sums``.
+    def _loss(
+        self, refs: list[torch.Tensor | None], i: int, mb: RolloutBatch, lp: torch.Tensor, entropy: torch.Tensor
+    ) -> tuple[torch.Tensor, float, dict[str, float]]:
+        """Micro-batch ``i``'s loss from its logprobs and entropies (the backend runs forward and backward).
 
         Returns:
-            Its largest |train - rollout| logprob difference.
+            ``(loss, units, stats)``: the loss, its units (tokens or sequences) and its sums (``_SUMS``, the loss's
+            own metrics as ``m/<name>``) with its largest |train - rollout| logprob difference (``lp_diff_max``).
 
         """
-        b, o = self.backend, self.objective
-        mask = mb.response_mask.to(b.device)
+        o = self.objective
+        mask = mb.response_mask.to(lp.device)
         tokens = float(mask.sum())
-        ref_lp = self._reference_logprobs(mb, ref)  # before the policy forward (a LoRA reference switches adapters)
-        with b.micro_batch(mb):  # the backward too: checkpointing re-runs the routers
-            lp, entropy = b.forward_logprobs(mb, o.temperature)
-            rollout = mb.rollout_logprobs.to(b.device)
-            old = rollout if o.old_logprobs == "rollout" else lp.detach()
-            extra = {}
-            if o.mismatch_correction is not None:
-                c = o.mismatch_correction
-                extra["token_weights"], wm = importance_weights(lp, rollout, mask, c.kind, c.cap)
-                sums["clipped_tokens"] += wm["weight_clipped_frac"] * tokens
-            loss, m = self.loss_fn(lp, old, mb.advantages.to(b.device), mask, **self.loss_kwargs, **extra)
-            if ref_lp is not None:
-                kl_tokens = kl_estimate(lp, ref_lp, o.kl.estimator)
-                loss = loss + o.kl.coef * masked_aggregate(kl_tokens, mask, self.term_mode)
-                sums["ref_kl_sum"] += float((kl_tokens.detach() * mask).sum())
-            if o.entropy_coef > 0:  # entropy bonus: maximise entropy, so subtract it from the loss
-                loss = loss - o.entropy_coef * masked_aggregate(entropy, mask, self.term_mode)
-            units = tokens if self.per_token else float(mask.shape[0])
-            b.backward(loss, units, total_units)
-        sums["loss"] += float(loss.detach()) * units
-        for k, v in m.items():  # the loss's own metrics, token-weighted
-            sums[f"m/{k}"] = sums.get(f"m/{k}", 0.0) + v * tokens
+        stats = dict.fromkeys(_SUMS, 0.0)
+        rollout = mb.rollout_logprobs.to(lp.device)
+        old = rollout if o.old_logprobs == "rollout" else lp.detach()
+        extra = {}
+        if o.mismatch_correction is not None:
+            c = o.mismatch_correction
+            extra["token_weights"], wm = importance_weights(lp, rollout, mask, c.kind, c.cap)
+            stats["clipped_tokens"] = wm["weight_clipped_frac"] * tokens
+        loss, m = self.loss_fn(lp, old, mb.advantages.to(lp.device), mask, **self.loss_kwargs, **extra)
+        if refs[i] is not None:
+            kl_tokens = kl_estimate(lp, refs[i], o.kl.estimator)
+            loss = loss + o.kl.coef * masked_aggregate(kl_tokens, mask, self.term_mode)
+            stats["ref_kl_sum"] = float((kl_tokens.detach() * mask).sum())
+        if o.entropy_coef > 0:  # entropy bonus: maximise entropy, so subtract it from the loss
+            loss = loss - o.entropy_coef * masked_aggregate(entropy, mask, self.term_mode)
+        units = tokens if self.per_token else float(mask.shape[0])
+        stats["loss"] = float(loss.detach()) * units
+        stats.update({f"m/{k}": v * tokens for k, v in m.items()})  # the loss's own metrics, token-weighted
         with torch.no_grad():
             diff = (lp - rollout).abs() * mask
             log_ratio = rollout - lp  # k3 estimate of KL(rollout || train)
-            sums["k3_sum"] += float(((torch.exp(log_ratio) - 1 - log_ratio) * mask).sum())
-            sums["lp_diff_sum"] += float(diff.sum())
-            sums["entropy_sum"] += float((entropy * mask).sum())
-        sums["tokens"] += tokens
-        return float(diff.max()) if diff.numel() else 0.0
+            stats["k3_sum"] = float(((torch.exp(log_ratio) - 1 - log_ratio) * mask).sum())
+            stats["lp_diff_sum"] = float(diff.sum())
+            stats["entropy_sum"] = float((entropy * mask).sum())
+        stats["tokens"] = tokens
+        stats["lp_diff_max"] = float(diff.max()) if diff.numel() else 0.0
+        return loss, units, stats
 
     def _reference_logprobs(self, mb: RolloutBatch, ref: torch.Tensor | None) -> torch.Tensor | None:
         """KL in loss mode: the micro-batch's reference logprobs (given, or from the on-rank reference); else None."""

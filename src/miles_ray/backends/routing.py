@@ -137,8 +137,9 @@ class MegatronRouteTracker(_RouteBook):
     megatron-core's own ``RouterReplay`` uses); scores are the logits (top-k then softmax: renormalised weights) or
     the softmax (``pre_softmax``: plain weights), so gathering them at the chosen experts weights the replayed
     experts by the trainer's own router as HF's replay does. Megatron's routers see tokens sequence-major and, with
-    sequence parallelism (``sequence_shard=(tp_rank, tp)``), only this rank's chunk of the sequence, padded to a
-    multiple of TP as the backend pads its rows.
+    sequence parallelism (``sequence_shard=(tp_rank, tp)``), only this rank's chunk of the sequence; the backend
+    pads its rows (``layout``) to a multiple of TP and, under expert parallelism, to its peers' shape. A pipeline
+    stage's routers are the MoE layers it holds: they take their layers' columns of the routes.
 
     Raises:
         ValueError: if the model has no megatron ``TopKRouter``.
@@ -147,20 +148,44 @@ class MegatronRouteTracker(_RouteBook):
 
     def __init__(self, model: nn.Module, replay: bool, sequence_shard: tuple[int, int] | None = None):
         self.routers = [m for m in model.modules() if type(m).__name__ == "TopKRouter"]
-        if not self.routers:
+        config = model.config
+        if not config.num_moe_experts:
             raise ValueError(f"routing replay needs an MoE model; this {type(model).__name__} has no TopKRouter")
-        super().__init__(len(self.routers), int(self.routers[0].topk), replay)
+        # a pipeline stage holds some of the layers: its routers are the MoE layers from `first` on
+        freq = config.moe_layer_freq
+        moe = freq if isinstance(freq, list) else [int(i % freq == 0) for i in range(config.num_layers)]
+        first = sum(moe[: model.decoder.layers[0].layer_number - 1])  # layer numbers count from 1, over all stages
+        super().__init__(sum(moe), int(config.moe_router_topk), replay)
         self.sequence_shard = sequence_shard
+        self._raw: torch.Tensor | None = None  # the forward's routes as the batch lays them out, [B, T, L, k]
         for i, router in enumerate(self.routers):
-            router.router_replay = _MegatronLayerReplay(self, i)
+            router.router_replay = _MegatronLayerReplay(self, first + i)
 
     def _tokens(self, routes: torch.Tensor) -> torch.Tensor:
-        routes = routes.transpose(0, 1)  # [T, B, ...]: Megatron's [s, b] order
+        self._raw = routes
+        return self._laid_out(routes.shape[0], routes.shape[1] + self._sequence_pad(routes.shape[1]))
+
+    def layout(self, rows: int, length: int) -> None:
+        """Lay the routes out for the forward about to run: ``rows x length`` tokens, the batch's padded at the end.
+
+        The backend pads rows for sequence parallelism and to the shape every rank exchanging tokens with it feeds.
+        """
+        if self._routes is not None:
+            self._routes = self._laid_out(rows, length)
+
+    def _sequence_pad(self, length: int) -> int:
+        return 0 if self.sequence_shard is None else -length % self.sequence_shard[1]
+
+    def _laid_out(self, rows: int, length: int) -> torch.Tensor:
+        """``[N, L, k]`` routes of a ``rows x length`` forward (-1 on padding), sequence-major, this rank's chunk."""
+        raw = self._raw
+        grid = raw.new_full((rows, length, *raw.shape[2:]), -1)
+        grid[: raw.shape[0], : raw.shape[1]] = raw
+        grid = grid.transpose(0, 1)  # [s, b]: Megatron's order
         if self.sequence_shard is not None:
             rank, size = self.sequence_shard
-            pad = routes.new_full((-routes.shape[0] % size, *routes.shape[1:]), -1)
-            routes = torch.cat([routes, pad]).chunk(size)[rank]
-        return routes.reshape(-1, *routes.shape[2:])
+            grid = grid.chunk(size)[rank]
+        return grid.reshape(-1, *grid.shape[2:]).long()
 
 
 class _MegatronLayerReplay:

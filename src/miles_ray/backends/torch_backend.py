@@ -23,7 +23,12 @@ from miles_ray.backends.lora import adapter_tensors, base_tensors, inject_lora, 
 from miles_ray.backends.optimizer import OptimizerConfig
 from miles_ray.backends.packing import PackedBatch, pack_rows
 from miles_ray.backends.routing import RouteTracker, find_routers, track_routes
-from miles_ray.backends.torch_parallel import DataParallelModel, TorchBackendConfig, param_dtype
+from miles_ray.backends.torch_parallel import (
+    DataParallelModel,
+    TorchBackendConfig,
+    forward_backward_in_turn,
+    param_dtype,
+)
 from miles_ray.models.quant import apply_weight_format
 from miles_ray.sync.buckets import Bucket, SyncPlan, plan_buckets
 from miles_ray.types import RolloutBatch
@@ -170,6 +175,10 @@ class TorchBackend(PolicyModel):
         self.reference = None
         if reference:
             self.reference = AdaptersOffReference(self) if self.adapter else PolicyModel(config, None, model_path)
+
+    def forward_backward(self, batches, temperature: float, loss_of, total_units: float) -> list[dict[str, float]]:
+        """The micro-batches in turn (``torch_parallel.forward_backward_in_turn``)."""
+        return forward_backward_in_turn(self, batches, temperature, loss_of, total_units)
 
     # --- weight sync ----------------------------------------------------------------------------
     def _named_params(self) -> list[tuple[str, torch.Tensor]]:

@@ -151,6 +151,23 @@ class DataParallelOps:
         (loss * units / total_units * self.dp_size).backward()
 
 
+def forward_backward_in_turn(backend, batches, temperature: float, loss_of, total_units: float) -> list[dict]:
+    """``TrainBackend.forward_backward`` without a pipeline: each micro-batch's forward, loss and backward in turn.
+
+    Gradients are reduced once, in the last backward. The backward stays inside the micro-batch's context:
+    activation checkpointing re-runs the routers there.
+    """
+    stats = []
+    for i, mb in enumerate(batches):
+        backend.grad_sync(i == len(batches) - 1)
+        with backend.micro_batch(mb):
+            lp, entropy = backend.forward_logprobs(mb, temperature)
+            loss, units, s = loss_of(i, mb, lp, entropy)
+            backend.backward(loss, units, total_units)
+        stats.append(s)
+    return stats
+
+
 def save_rng(path: str, rank: int) -> None:
     """Write this rank's RNG states (CPU, and CUDA when present) into checkpoint directory ``path``."""
     state = {"cpu": torch.get_rng_state()}

@@ -65,20 +65,43 @@ def test_same_logprobs_and_same_step_as_the_torch_backend(family, request):
 
 
 def test_config_errors_name_the_field(tiny_model_path):
-    with pytest.raises(ValueError, match="pipeline_model_parallel_size"):
-        MegatronBackendConfig(parallel={"pipeline_model_parallel_size": 2})
+    with pytest.raises(ValueError, match="context_parallel_size=2: only 1 is supported \\(megatron-core's context"):
+        MegatronBackendConfig(parallel={"context_parallel_size": 2})
     with pytest.raises(ValueError, match="sequence_parallel needs tensor_model_parallel_size > 1"):
         MegatronBackendConfig(parallel={"sequence_parallel": True})
     with pytest.raises(ValueError, match="transformer_args may not set \\['hidden_size'\\]"):
         MegatronBackendConfig(transformer_args={"hidden_size": 8})
-    with pytest.raises(ValueError, match="expert_model_parallel_size=2 x tensor_model_parallel_size=1 must divide"):
+    with pytest.raises(
+        ValueError,
+        match="expert_model_parallel_size=2 x tensor_model_parallel_size=1 x pipeline_model_parallel_size=1 must",
+    ):
         MegatronBackend(
             MegatronBackendConfig(parallel={"expert_model_parallel_size": 2}), OptimizerConfig(), tiny_model_path
+        )
+    with pytest.raises(ValueError, match="x pipeline_model_parallel_size=2 must divide the trainer's num_ranks=1"):
+        MegatronBackend(
+            MegatronBackendConfig(parallel={"pipeline_model_parallel_size": 2}), OptimizerConfig(), tiny_model_path
         )
     with pytest.raises(ValueError, match="'no_such_field'\\] are not megatron TransformerConfig fields"):
         MegatronBackend(
             MegatronBackendConfig(transformer_args={"no_such_field": 1}), OptimizerConfig(), tiny_model_path
         )
+
+
+def test_expert_parallel_peers_get_as_many_micro_batches_and_one_shape():
+    """EP ranks all-gather MoE tokens: a rank with fewer micro-batches halves its largest until it has its peers'
+    count (or says it cannot), and a forward grows to the peers' rows x length, new tokens attending to themselves."""
+    from miles_ray.backends.megatron_backend import _grow_mask, _split_to
+
+    rows = [torch.arange(0, 5), torch.arange(5, 7)]
+    split = _split_to(rows, 4)
+    assert [r.tolist() for r in split] == [[0, 1], [2], [3, 4], [5, 6]]  # in order, every sample once
+    with pytest.raises(ValueError, match="a peer has 3 micro-batches, this rank 2 samples"):
+        _split_to([torch.tensor([0]), torch.tensor([1])], 3)
+    causal = torch.triu(torch.ones(3, 3, dtype=torch.bool), diagonal=1)[None, None]  # True: blocked
+    grown = _grow_mask(causal.expand(2, -1, -1, -1), rows=3, length=5)
+    assert grown.shape == (3, 1, 5, 5) and torch.equal(grown[:2, :, :3, :3], causal.expand(2, -1, -1, -1))
+    assert grown[:2, 0, :3, 3:].all() and grown[2, 0].equal(~torch.eye(5, dtype=torch.bool))  # pads: alone
 
 
 def test_cpu_shim_maps_only_what_megatron_needs():

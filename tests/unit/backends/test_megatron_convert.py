@@ -6,9 +6,13 @@ import torch
 from miles_ray.backends.megatron_convert import (
     GPTShape,
     expert_on_rank,
+    from_stage,
     hf_to_megatron,
     megatron_sources,
     megatron_to_hf,
+    on_stage,
+    stage_layers,
+    to_stage,
 )
 
 
@@ -107,6 +111,30 @@ def test_megatron_layouts_per_rank():
         shard["decoder.layers.0.self_attention.linear_proj.weight"],
         hf["model.layers.0.self_attn.o_proj.weight"][:, 16:],
     )
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_pipeline_stages_split_the_layers_and_rename_them(tied):
+    """PP=2 on 4 layers: stage 0 holds the embedding and layers 0-1, stage 1 layers 2-3 (as its 0-1), the final norm
+    and the output layer (a copy of the embedding when tied); together they hold every tensor once."""
+    shape = GPTShape(num_layers=4, num_heads=4, num_kv_heads=2, head_dim=8, tie_word_embeddings=tied, qkv_bias=False)
+    full = hf_to_megatron(_random_hf(shape, untied=not tied), shape, 1, 0)
+    first, last = (to_stage(full, shape, 2, r) for r in range(2))
+    assert "embedding.word_embeddings.weight" in first and "decoder.final_layernorm.weight" in last
+    assert torch.equal(last["decoder.layers.0.mlp.linear_fc1.weight"], full["decoder.layers.2.mlp.linear_fc1.weight"])
+    assert torch.equal(
+        last["output_layer.weight"], full["output_layer.weight" if not tied else "embedding.word_embeddings.weight"]
+    )
+    for r, stage in enumerate((first, last)):
+        assert {from_stage(n, shape, 2, r) for n in stage} - {"output_layer.weight"} == {
+            n for n in full if on_stage(n, shape, 2, r) is not None
+        } - {"output_layer.weight"}
+        assert all(on_stage(from_stage(n, shape, 2, r), shape, 2, r) == n for n in stage)
+    assert len(first) + len(last) == len(full) + tied  # the tied head's copy
+    assert to_stage(full, shape, 1, 0) == full
+    assert list(stage_layers(4, 2, 1)) == [2, 3]
+    with pytest.raises(ValueError, match="pipeline_model_parallel_size=3 must divide the model's num_hidden_layers=4"):
+        stage_layers(4, 3, 0)
 
 
 def test_errors_name_the_cause():

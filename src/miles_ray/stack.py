@@ -116,7 +116,7 @@ class Stack:
             ray.kill(self.monitor, no_restart=True)
         for actor in self.actors().values():
             ray.kill(actor, no_restart=True)
-        ray.util.remove_placement_group(self.placement.pg)
+        self.placement.remove()  # with the one-bundle groups of bundles moved to spares or added
 
 
 def build_stack(config: StackConfig, placement: Placement) -> Stack:

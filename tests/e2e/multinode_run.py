@@ -11,7 +11,8 @@ Then engine 1's node is removed with a rollout in flight: every prompt comes bac
 serves. A node is added back and the pool grows onto it (``grow_pool``). Last the trainer's node (with engine 0)
 is lost: the trainer restarts on the spare from the last run checkpoint and takes the same step as the
 uninterrupted run (same weights, same data position); engine 0 comes back beside it and every engine serves the
-new version. Runs in its own process (its own Ray cluster):
+new version. Last ``Stack.shutdown`` removes every placement group the run made, the spare's one-bundle groups
+included. Runs in its own process (its own Ray cluster):
 
     python tests/e2e/multinode_run.py MODEL_DIR CHECKPOINT_DIR     # prints one JSON line
 """
@@ -70,10 +71,23 @@ def main(model_path: str, checkpoint_dir: str) -> dict:
         out.update(_lose_engine_node(stack, cluster, node_of[out["nodes"]["engines"][1]], model_path))
         out.update(_grow_onto_new_node(stack, cluster))
         out.update(_lose_trainer_node(stack, cluster, node_of[out["nodes"]["trainer"]], checkpoint_dir))
+        out["groups_before_shutdown"] = _live_groups()
+        stack.shutdown()  # the plan's group and the one-bundle groups of the bundles moved to the spare or added
+        out["groups_after_shutdown"] = _live_groups(wait_s=10.0)
         return out
     finally:
         ray.shutdown()
         cluster.shutdown()
+
+
+def _live_groups(wait_s: float = 0.0) -> int:
+    """Placement groups of the cluster not removed; waits up to ``wait_s`` for none (a removal is asynchronous)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        live = sum(g["state"] != "REMOVED" for g in ray.util.placement_group_table().values())
+        if live == 0 or time.monotonic() > deadline:
+            return live
+        time.sleep(0.2)
 
 
 def _across_nodes(stack, model_path: str, checkpoint_dir: str) -> dict:

@@ -72,3 +72,9 @@ def test_a_lost_trainer_node_resumes_on_the_spare_like_an_uninterrupted_run(run)
     assert run["restarted_trainer_node"] == run["spare"] and run["engine0_node_after"] == run["spare"]
     assert run["healed_after_trainer_loss"] == [0] and run["engine_checksums_match"] == [True, True, True]
     assert run["engines_after_restart"] == [0, 1, 2] and run["versions_after_restart"] == [run["resumed"][1]]
+
+
+def test_shutdown_removes_every_placement_group_the_run_made(run):
+    """The plan's group and the one-bundle groups made by the pool and the trainer group for bundles moved to the
+    spare node or added (which would otherwise hold their resources as long as the driver lives)."""
+    assert run["groups_before_shutdown"] >= 3 and run["groups_after_shutdown"] == 0

@@ -50,10 +50,10 @@ class Placement:
         if not like:
             raise ValueError(f"the placement plan has no {role} slot to copy")
         shape = _shape(like[0])
-        found = _on_node(shape, [node], timeout_s)
+        bundle = len(self.plan.bundles) + len(self.added)
+        found = _on_node(shape, [node], self._group_name(bundle), timeout_s)
         if found is None:
             raise RuntimeError(f"node {node} cannot take one more {role} (needs {shape}); is it alive, with room?")
-        bundle = len(self.plan.bundles) + len(self.added)
         self.added[bundle] = (role, Slot(bundle, like[0].num_cpus, like[0].num_gpus), found[0], node)
         return len(self.slots(role)) - 1
 
@@ -92,7 +92,7 @@ class Placement:
         siblings = [spare for b, (_, spare) in self.moved.items() if self._home(b) == lost]
         candidates = list(dict.fromkeys(s for s in [*siblings, *self.plan.spare_nodes] if s in alive))
         shape = _shape(self.added[bundle][1]) if bundle in self.added else self.plan.bundles[bundle]
-        found = _on_node(shape, candidates)
+        found = _on_node(shape, candidates, self._group_name(bundle))
         if found is None:
             raise RuntimeError(
                 f"node {node} of bundle {bundle} is gone and no spare node can take it (alive spares tried: "
@@ -100,6 +100,25 @@ class Placement:
             )
         self.moved[bundle] = found
         return found[0]
+
+    def _group_name(self, bundle: int) -> str:
+        """The name of ``bundle``'s one-bundle group: ``remove`` finds them all by it, whoever made them."""
+        return f"miles_ray:{self.pg.id.hex()}:bundle{bundle}"
+
+    def remove(self) -> None:
+        """Remove the placement group and every one-bundle group made for its moved or added bundles.
+
+        Those are made by whichever actor moved or added the bundle (the pool, the trainer group) and, unless that
+        actor is detached, live as long as the driver: so they are found by name in the cluster's table. Whatever
+        runs in the groups stops.
+        """
+        from ray._raylet import PlacementGroupID
+
+        prefix = self._group_name(0).removesuffix("bundle0")
+        for group_id, info in ray.util.placement_group_table().items():
+            if info.get("name", "").startswith(prefix) and info.get("state") != "REMOVED":
+                ray.util.remove_placement_group(PlacementGroup(PlacementGroupID(bytes.fromhex(group_id))))
+        ray.util.remove_placement_group(self.pg)
 
     def options(self, slot: Slot) -> dict:
         """``actor_cls.options(**placement.options(slot))`` keyword arguments."""
@@ -139,13 +158,13 @@ class Placement:
         return ray.remote(cls).options(**self.options(slots[index]), **options).remote(*args)
 
 
-def _on_node(shape: dict[str, float], candidates: list[str], timeout_s: float = 30.0):
-    """A ready one-bundle group of ``shape`` on the first of ``candidates`` (node ids) with room, and that node.
+def _on_node(shape: dict[str, float], candidates: list[str], name: str, timeout_s: float = 30.0):
+    """A ready one-bundle group ``name`` of ``shape`` on the first of ``candidates`` (node ids) with room, and its node.
 
     None if none has room (each is tried for ``timeout_s``).
     """
     for node in candidates:
-        pg = placement_group([shape], bundle_label_selector=[{NODE_ID_LABEL_KEY: node}])
+        pg = placement_group([shape], bundle_label_selector=[{NODE_ID_LABEL_KEY: node}], name=name)
         if ray.wait([pg.ready()], timeout=timeout_s)[0]:
             return pg, node
         ray.util.remove_placement_group(pg)

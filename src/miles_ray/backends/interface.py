@@ -122,8 +122,9 @@ class TrainBackend(LogprobModel, StepPrimitives, Protocol):
     ) -> list[dict[str, float]]:
         """Forward and backward every micro-batch, its loss from ``loss_of``, weighted by ``units / total_units``.
 
-        In turn, each inside its ``micro_batch`` context and gradients reduced after the last (``DataParallelOps``);
-        or through a pipeline schedule, where the loss is computed on the last stage only.
+        In turn, each inside its ``micro_batch`` context and gradients reduced after the last
+        (``torch_parallel.forward_backward_in_turn``); or through a pipeline schedule, where the loss is computed on
+        the last stage only.
 
         Returns:
             ``loss_of``'s stats of each micro-batch, in order, on every rank.

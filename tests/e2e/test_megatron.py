@@ -37,12 +37,13 @@ def _flat(lists):
     return torch.tensor([x for row in lists for x in row])
 
 
-def _same_step_and_export(one, many, tmp_path, export_tolerance: float) -> torch.Tensor:
-    """One train step of ``one`` (a single rank) and ``many`` (a parallel layout) on the same batch: equal metrics,
-    equal logprobs after, and HF exports with the same names and weights; returns ``many``'s logprobs after."""
+def _same_step_and_export(one, many, tmp_path, export_tolerance: float, batch=None) -> torch.Tensor:
+    """One train step of ``one`` (a single rank) and ``many`` (a parallel layout) on the same batch (default: two
+    synthetic groups): equal metrics, equal logprobs after, and HF exports with the same names and weights; returns
+    ``many``'s logprobs after."""
     from safetensors.torch import load_file
 
-    batch = synthetic_group(0) + synthetic_group(1, first_token=7)
+    batch = batch or synthetic_group(0) + synthetic_group(1, first_token=7)
     m1, m_many = ray.get([one.train_step.remote(batch), many.train_step.remote(batch)])
     for key in ("loss", "grad_norm", "entropy", "num_tokens"):
         assert m_many[key] == pytest.approx(m1[key], rel=1e-4, abs=1e-6), key  # the GRPO loss is ~0 at ratio 1
@@ -225,3 +226,19 @@ def test_pp2_equals_pp1_and_a_pp2_checkpoint_reloads_at_pp1(make_placement, fami
     m_fresh, m_two = ray.get([fresh.train_step.remote(batch), two.train_step.remote(batch)])
     assert m_fresh["loss"] == pytest.approx(m_two["loss"], rel=1e-4, abs=1e-6)
     assert m_fresh["grad_norm"] == pytest.approx(m_two["grad_norm"], rel=1e-4)
+
+
+def test_pp2_x_ep2_on_four_ranks_equals_one_rank(make_placement, tmp_path):
+    """Qwen3-MoE (4 layers: MoE 0, 2, 3) on 4 ranks, two pipeline stages each spreading its experts over 2 ranks that
+    hold different data shards of unlike lengths: the same step as one rank, an export equal to one rank's (layers
+    gathered over the stages, experts over the EP ranks of each), and the checkpoint reloads at one rank."""
+    path = str(tiny_qwen3_moe_dir(num_layers=4))
+    one = TrainerGroup.remote(_megatron(path, 1, max_tokens=32), make_placement(placement.colocated(1)))
+    four = TrainerGroup.remote(_megatron(path, 1, ep=2, pp=2, max_tokens=32), make_placement(placement.colocated(4)))
+    batch = _uneven_groups()
+    after4 = _same_step_and_export(one, four, tmp_path, export_tolerance=5e-4, batch=batch)
+
+    ray.get(four.save.remote(str(tmp_path / "ckpt")))
+    fresh = TrainerGroup.remote(_megatron(path, 1, max_tokens=32), make_placement(placement.colocated(1)))
+    ray.get(fresh.load.remote(str(tmp_path / "ckpt")))
+    torch.testing.assert_close(_flat(ray.get(fresh.compute_logprobs.remote(batch))), after4, atol=1e-6, rtol=0)

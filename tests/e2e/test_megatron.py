@@ -102,12 +102,15 @@ def test_two_data_parallel_tp2_groups_equal_one_rank(make_placement, tiny_model_
     _same_step_and_export(one, four, tmp_path, export_tolerance=2e-4)  # the export: rank 0's TP group alone
 
 
-def test_untrained_export_round_trips_bit_exact(make_placement, tiny_model_path, tmp_path):
-    """HF -> Megatron (TP=2 shards) -> HF without a step in between is the same bits."""
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+def test_untrained_export_round_trips_bit_exact(make_placement, tiny_model_path, tmp_path, layout):
+    """HF -> Megatron (TP=2 shards, or two pipeline stages with the tied embedding on both) -> HF without a step in
+    between is the same bits."""
     from safetensors.torch import load_file
 
-    tp2 = TrainerGroup.remote(_megatron(tiny_model_path, 2), make_placement(placement.colocated(2)))
-    ray.get(tp2.export_hf.remote(str(tmp_path / "hf"), "float32"))
+    config = _megatron(tiny_model_path, 2) if layout == "tp2" else _megatron(tiny_model_path, 1, pp=2)
+    two = TrainerGroup.remote(config, make_placement(placement.colocated(2)))
+    ray.get(two.export_hf.remote(str(tmp_path / "hf"), "float32"))
     original, exported = (
         load_file(f"{tiny_model_path}/model.safetensors"),
         load_file(tmp_path / "hf" / "model.safetensors"),

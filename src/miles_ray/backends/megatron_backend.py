@@ -265,8 +265,8 @@ class MegatronBackend(DataParallelOps):
             RuntimeError: under pipeline parallelism with gradients enabled.
 
         """
-        inputs, finish = self._inputs(batch, temperature)
         if self.pp_size == 1:
+            inputs, finish = self._inputs(batch, temperature)
             return finish(self._forward(*inputs))
         if torch.is_grad_enabled():
             raise RuntimeError("under pipeline parallelism a forward with gradients runs in forward_backward alone")

@@ -124,6 +124,7 @@ def _transformer_config(hf: dict, args: LlamaArgs, config: MegatronBackendConfig
         raise ValueError(f"hidden_act must be 'silu' for the Megatron backend, got {hf.get('hidden_act')!r}")
     p = config.parallel
     bf16 = config.dtype == "bfloat16"
+    dtype = torch.bfloat16 if bf16 else torch.float32
     extra = {
         "attention_dropout": 0.0,
         "hidden_dropout": 0.0,
@@ -156,11 +157,11 @@ def _transformer_config(hf: dict, args: LlamaArgs, config: MegatronBackendConfig
         recompute_granularity=p.recompute_granularity,
         recompute_method=p.recompute_method,
         recompute_num_layers=p.recompute_num_layers,
-        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        params_dtype=dtype,
         bf16=bf16,
         # pipeline stages exchange activations of this dtype, of one shape per step (the backend pads to it: megatron's
         # MoE all-gather dispatcher refuses variable_seq_lengths)
-        pipeline_dtype=torch.bfloat16 if bf16 else torch.float32,
+        pipeline_dtype=dtype,
         use_cpu_initialization=True,
         gradient_accumulation_fusion=False,
         **_moe_args(args),

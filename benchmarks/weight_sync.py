@@ -32,6 +32,12 @@ p.add_argument("--engines", type=int, default=1)
 p.add_argument("--repeats", type=int, default=5)
 p.add_argument("--bucket-mb", type=int, default=64)
 p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="what the engines hold and get")
+p.add_argument(
+    "--parallel",
+    choices=["ddp", "fsdp2"],
+    default="ddp",
+    help="the trainer's wrapping: DDP (the quick-start's; a sync in the parameters' dtype sends them in place), FSDP2",
+)
 args = p.parse_args()
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
@@ -96,7 +102,8 @@ def gloo_seconds(bucket_sizes: list[int]) -> float:
 
 
 engine = {"model_path": path, "dtype": args.dtype}
-config = StackConfig(trainer={"model_path": path}, pool={"num_engines": args.engines, "engine": engine})
+trainer = {"model_path": path, "backend": {"parallel": args.parallel}}
+config = StackConfig(trainer=trainer, pool={"num_engines": args.engines, "engine": engine})
 stack = build_stack(config, placement.create(placement.disaggregated(1, args.engines)))
 engines, workers = list(stack.engines), ray.get(stack.trainer.workers.remote())
 plan = ray.get(workers[0].sync_plan.remote(args.dtype, args.bucket_mb << 20))
@@ -119,7 +126,7 @@ for transport in ["broadcast", "shared_memory"]:
 for row in rows:
     row["gb_per_s"] = nbytes / row["seconds"] / 1e9
 print(
-    f"model {args.model}: {nbytes / 1e6:.0f} MB {args.dtype}, {args.engines} engine(s), one node; "
-    "fraction = reference / sync"
+    f"model {args.model}: {nbytes / 1e6:.0f} MB {args.dtype}, {args.engines} engine(s), one node, "
+    f"trainer {args.parallel}; fraction = reference / sync"
 )
-emit("weight_sync" if args.dtype == "float32" else f"weight_sync_{args.dtype}", rows)
+emit("_".join(["weight_sync"] + [a for a in (args.dtype, args.parallel) if a not in ("float32", "ddp")]), rows)

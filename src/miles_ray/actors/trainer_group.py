@@ -177,9 +177,21 @@ class TrainerWorker(Worker):
 
         self._sync_group = BroadcastGroup.create(host, port, 0, world_size, collective)
 
-    def _gather(self, plan: SyncPlan, buffers: list[torch.Tensor] | None = None):
-        """Collective: each bucket gathered on rank 0 (into ``buffers``, ``uint8`` each, when given)."""
+    def _gather(self, plan: SyncPlan, shared: bool | None = None):
+        """Collective: each bucket gathered on rank 0, into its buffer of ``_buffers(plan, shared)`` unless None.
+
+        Unless ``shared`` (engines map those buffers), a bucket the parameters already hold in its layout is
+        yielded as their memory (``bucket_in_place``: nothing packed; nothing writes it until the sync returns), and
+        buffers are made only if some bucket needs packing.
+        """
+        buffers = self._buffers(plan, shared) if shared else None
         for i, bucket in enumerate(plan.buckets):
+            view = None if shared else self.backend.bucket_in_place(bucket)
+            if view is not None:
+                yield bucket, view
+                continue
+            if shared is False and buffers is None:
+                buffers = self._buffers(plan, shared)
             out = None if buffers is None else buffers[i].view(bucket.dtype)
             yield bucket, self.backend.gather_bucket(bucket, bucket.dtype, out)
 
@@ -199,7 +211,7 @@ class TrainerWorker(Worker):
         """
         sent, pending = [], None
         digests = TensorDigests() if verify and "full" in kinds else None
-        for bucket, flat in self._gather(plan, self._buffers(plan, shared=False)):
+        for bucket, flat in self._gather(plan, shared=False):
             if self.rank == 0:
                 if pending is not None:
                     pending.wait()
@@ -228,7 +240,7 @@ class TrainerWorker(Worker):
         digests = TensorDigests() if verify and self.rank == 0 else None
         flats, hashed = [], []
         with ThreadPoolExecutor(1, thread_name_prefix="digest") as hasher:  # xxhash and copies release the GIL
-            for bucket, flat in self._gather(plan, self._buffers(plan, shared=True)):
+            for bucket, flat in self._gather(plan, shared=True):
                 flats.append(flat)
                 if digests is not None:
                     hashed.append(hasher.submit(digests.add, unpack(bucket, flat)))

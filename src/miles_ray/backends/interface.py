@@ -11,7 +11,8 @@ these primitives, the same for every backend::
                         global_sum(values), global_max(value), gather_shards(local), save(path), load(path)
     TrainBackend        LogprobModel + StepPrimitives + reference, route_counts(),
                         forward_backward(batches, temperature, loss_of, total_units) -> stats per micro-batch,
-                        sync_plan(dtype, bucket_bytes), gather_bucket(bucket, dtype), hf_state(dtype)
+                        sync_plan(dtype, bucket_bytes), gather_bucket(bucket, dtype), bucket_in_place(bucket),
+                        hf_state(dtype)
     CriticBackend       StepPrimitives + micro_batches(batch), train(mode), forward_values(batch)
 
 Implementations: ``TorchBackend`` and ``MegatronBackend`` (``TrainBackend``), ``TorchCriticBackend``
@@ -144,6 +145,15 @@ class TrainBackend(LogprobModel, StepPrimitives, Protocol):
         """Collective over ranks: the bucket packed as one flat tensor on rank 0, None elsewhere.
 
         ``out`` (a ``bucket.numel`` buffer of ``dtype``) receives it when given: a sender's persistent buffer.
+        """
+        ...
+
+    def bucket_in_place(self, bucket: Bucket) -> torch.Tensor | None:
+        """Rank 0: the bucket as a view of memory the parameters occupy in its layout (nothing to pack), or None.
+
+        Not a collective: it may return a tensor only where ``gather_bucket`` of the bucket is no collective either
+        (every rank holds the whole parameters), since the other ranks still call ``gather_bucket``. The view is
+        the parameters themselves: valid until the next optimizer step.
         """
         ...
 

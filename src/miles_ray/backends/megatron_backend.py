@@ -48,7 +48,7 @@ from miles_ray.backends.optimizer import OptimizerConfig
 from miles_ray.backends.packing import micro_batches_of, pack_rows
 from miles_ray.backends.routing import MegatronRouteTracker, track_routes
 from miles_ray.backends.torch_parallel import DataParallelOps, forward_backward_in_turn, load_rng, save_rng
-from miles_ray.devices import rank_device
+from miles_ray.devices import configure_host, rank_device
 from miles_ray.sync.buckets import Bucket, SyncPlan, pack, plan_buckets
 from miles_ray.types import RolloutBatch
 
@@ -160,7 +160,7 @@ class MegatronBackend(DataParallelOps):
             )
         if reference:
             raise ValueError("the Megatron backend keeps no on-rank KL reference: give TrainerGroup a ReferenceGroup")
-        torch.set_num_threads(config.num_threads)
+        configure_host(config.num_threads, config.reuse_freed_memory)
         if not ps.model_parallel_is_initialized():
             ps.initialize_model_parallel(
                 tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep
@@ -498,6 +498,10 @@ class MegatronBackend(DataParallelOps):
         """Collective (the bucket's sources gathered to rank 0): one flat HF-layout tensor on rank 0 (into ``out``)."""
         full = self._hf_tensors(dtype, {m.name for m in bucket.tensors})
         return pack(bucket, full, out) if self.rank == 0 else None
+
+    def bucket_in_place(self, bucket: Bucket) -> None:
+        """None: Megatron's parameters are never in the HF layout (fused QKV, TP shards), so a sync packs them."""
+        return None
 
     def hf_state(self, dtype: torch.dtype) -> tuple[dict[str, torch.Tensor] | None, None]:
         """Collective: the HF-named weights on rank 0 (a tied head once), None elsewhere; no adapters."""

@@ -19,6 +19,8 @@ import contextlib
 
 import torch
 
+from miles_ray.backends.flat_params import bucket_view
+from miles_ray.backends.logprobs import token_logprobs
 from miles_ray.backends.lora import adapter_tensors, base_tensors, inject_lora, merged_weight, set_adapters_enabled
 from miles_ray.backends.optimizer import OptimizerConfig
 from miles_ray.backends.packing import PackedBatch, pack_rows
@@ -32,25 +34,6 @@ from miles_ray.backends.torch_parallel import (
 from miles_ray.models.quant import apply_weight_format
 from miles_ray.sync.buckets import Bucket, SyncPlan, plan_buckets
 from miles_ray.types import RolloutBatch
-
-
-def token_logprobs(
-    logits: torch.Tensor, targets: torch.Tensor, temperature: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probability of each target token and the entropy of each position's distribution.
-
-    Args:
-        logits: ``[B, K, V]``.
-        targets: ``[B, K]``.
-        temperature: logits are divided by it.
-
-    Returns:
-        ``(logprobs [B, K], entropy [B, K])``.
-
-    """
-    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
-    entropy = -(logp.exp() * logp).sum(dim=-1)
-    return logp.gather(-1, targets[..., None])[..., 0], entropy
 
 
 def load_causal_lm(model_path: str, config: TorchBackendConfig) -> torch.nn.Module:
@@ -225,6 +208,10 @@ class TorchBackend(PolicyModel):
                 flat[m.offset : m.offset + m.numel].copy_(full.reshape(-1).to("cpu", dtype))
         return flat
 
+    def bucket_in_place(self, bucket: Bucket) -> torch.Tensor | None:
+        """The bucket as a view of the parameters' own memory (``flat_params``; DDP on a CPU), or None."""
+        return bucket_view(bucket, dict(self._named_params())) if self.rank == 0 else None
+
 
 def _full(p: torch.Tensor) -> torch.Tensor:
     """The whole tensor of a parameter (an FSDP2 ``DTensor`` is all-gathered, unless one rank holds it all)."""
@@ -233,4 +220,4 @@ def _full(p: torch.Tensor) -> torch.Tensor:
     return p.detach()
 
 
-__all__ = ["AdaptersOffReference", "PolicyModel", "TorchBackend", "load_causal_lm", "token_logprobs"]
+__all__ = ["AdaptersOffReference", "PolicyModel", "TorchBackend", "load_causal_lm"]

@@ -21,10 +21,11 @@ import torch
 import torch.distributed as dist
 from pydantic import Field, model_validator
 
+from miles_ray.backends.flat_params import flatten_parameters
 from miles_ray.backends.lora import LoRAConfig
 from miles_ray.backends.optimizer import OptimizerConfig
 from miles_ray.backends.packing import MicroBatchConfig, micro_batches_of
-from miles_ray.devices import native_bf16, rank_device
+from miles_ray.devices import configure_host, native_bf16, rank_device
 from miles_ray.models.quant import WeightFormatConfig
 from miles_ray.state_codec import load_state, save_state
 from miles_ray.types import RolloutBatch
@@ -54,6 +55,12 @@ class TorchBackendConfig(MicroBatchConfig):
         "compilation. Same losses as eager (tested); whether it is faster depends on the device.",
     )
     num_threads: int = Field(1, ge=1, le=256, description="torch intra-op threads per rank.")
+    reuse_freed_memory: bool = Field(
+        True,
+        description="Keep freed host memory in the rank's process for its next tensors (glibc) instead of returning "
+        "it to the OS between steps: no page faults on every step's large temporaries; the resident size stays at "
+        "the step's peak (devices.configure_host).",
+    )
     lora: LoRAConfig | None = Field(
         None,
         description="Train LoRA adapters (peft) on frozen base weights; weight sync then sends the adapters only. "
@@ -200,7 +207,7 @@ class DataParallelModel(DataParallelOps):
     def __init__(self, config: TorchBackendConfig, optim: OptimizerConfig | None, module: torch.nn.Module):
         self.config = config
         self.optim_config = optim
-        torch.set_num_threads(config.num_threads)
+        configure_host(config.num_threads, config.reuse_freed_memory)
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.dp_group = None
@@ -213,6 +220,9 @@ class DataParallelModel(DataParallelOps):
             if not all(p.requires_grad for p in module.parameters()):  # frozen embeddings (LoRA): keep grads flowing
                 module.enable_input_require_grads()
         self.hf_model = module.to(self.device)
+        if optim is not None and config.parallel == "ddp" and self.device.type == "cpu":
+            # trained parameters in one buffer, in sync order: a sync in their dtype sends them without packing
+            flatten_parameters([p for p in module.parameters() if p.requires_grad])
         if config.compile:  # in place, before wrapping: parameter names and FSDP2's per-layer units stay as they are
             for layer in self.hf_model.model.layers:
                 layer.compile(dynamic=True)
@@ -222,8 +232,14 @@ class DataParallelModel(DataParallelOps):
             self.model = self.hf_model if config.parallel == "ddp" else self.wrap(self.hf_model)
             return
         self.model = self.wrap(self.hf_model)
+        # fused: one kernel over all parameters; on a CPU ~3x faster than the per-parameter loop torch defaults to
         self.optimizer = torch.optim.AdamW(
-            self.param_groups(), lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay
+            self.param_groups(),
+            lr=optim.lr,
+            betas=optim.betas,
+            eps=optim.eps,
+            weight_decay=optim.weight_decay,
+            fused=True,
         )
 
     def micro_batches(self, batch: RolloutBatch) -> list[torch.Tensor]:
@@ -239,7 +255,8 @@ class DataParallelModel(DataParallelOps):
         if self.config.parallel == "ddp":
             from torch.nn.parallel import DistributedDataParallel
 
-            return DistributedDataParallel(model) if self.world_size > 1 else model
+            # gradients as views of the reduction buckets: no copy into the buckets and back each step
+            return DistributedDataParallel(model, gradient_as_bucket_view=True) if self.world_size > 1 else model
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 

@@ -236,7 +236,9 @@ def test_compiled_layers_give_the_eager_step(tiny_model_path):
     (eager, d_eager), (compiled, d_compiled) = runs
     assert compiled["loss"] == pytest.approx(eager["loss"], abs=1e-6)
     assert compiled["grad_norm"] == pytest.approx(eager["grad_norm"], rel=1e-4)
-    torch.testing.assert_close(d_compiled, d_eager, atol=1e-5, rtol=1e-3)
+    # Adam's first update is lr * g / (|g| + eps): where |g| is near eps (1e-8) the fp32 rounding that compiled
+    # kernels change moves it by a few percent of lr, so the bound is relative to lr (1e-3), not absolute
+    torch.testing.assert_close(d_compiled, d_eager, atol=5e-5, rtol=1e-3)
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
@@ -263,3 +265,27 @@ def test_qwen3_families_under_fsdp2_and_ddp(family, request):
     assert fsdp["grad_norm"] > 0 and fsdp["loss"] == pytest.approx(ddp["loss"], abs=1e-6)
     assert fsdp["grad_norm"] == pytest.approx(ddp["grad_norm"], rel=1e-4)
     torch.testing.assert_close(d_fsdp, d_ddp, atol=1e-5, rtol=1e-3)
+
+
+def test_ddp_parameters_are_sent_in_place(tiny_model_path):
+    """DDP on a CPU lays the trained parameters out in sync order: a sync in their dtype sends their own memory.
+
+    Every fp32 bucket is a view of the parameters (same memory, the bytes ``gather_bucket`` packs) before and after
+    an optimizer step; a bf16 sync packs (a cast), and FSDP2's shards are never sent in place.
+    """
+    for parallel in ("ddp", "fsdp2"):
+        backend = TorchBackend(TorchBackendConfig(parallel=parallel), OptimizerConfig(lr=1e-3), tiny_model_path)
+        plan = backend.sync_plan(torch.float32, bucket_bytes=1 << 20)
+        assert len(plan.buckets) > 1
+        if parallel == "fsdp2":
+            assert all(backend.bucket_in_place(b) is None for b in plan.buckets)
+            continue
+        params = {p.data_ptr() for p in backend.hf_model.parameters()}
+        for _ in range(2):  # the views follow the parameters through an optimizer step
+            for bucket in plan.buckets:
+                view = backend.bucket_in_place(bucket)
+                assert view is not None and view.data_ptr() in params
+                assert torch.equal(view, backend.gather_bucket(bucket, torch.float32))
+            _step(backend).update(_batch(GRPOAdvantageConfig()))
+        bf16 = backend.sync_plan(torch.bfloat16, bucket_bytes=1 << 20)
+        assert all(backend.bucket_in_place(b) is None for b in bf16.buckets)

@@ -25,6 +25,7 @@ miles_ray.fault        through the three above (respawn, replace, re-route)
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any, Literal, Protocol, get_args
 
 import torch
@@ -268,8 +269,11 @@ class EngineActorBase:
                     digests.add(unpack(bucket, flat.view(bucket.dtype)))
             return None if digests is None else digests.by_name()
 
+        start = time.perf_counter()
         digests = await asyncio.to_thread(receive)
-        return await self._load_flats(plan, flats, True, version, verify, in_flight, digests)
+        received = time.perf_counter() - start
+        report = await self._load_flats(plan, flats, True, version, verify, in_flight, digests)
+        return {**report, "seconds": received + report["seconds"]}  # the bytes' arrival is the sync's transfer
 
     async def _load_flats(
         self,

@@ -206,21 +206,20 @@ class TrainerWorker(Worker):
     def broadcast_weights(self, plan: SyncPlan, verify: bool, kinds: tuple[str, ...] = ("full",)) -> dict | None:
         """Collective: gather each bucket; rank 0 broadcasts it and returns the ``kinds`` checksums if ``verify``.
 
-        Rank 0 gathers the next bucket while the last one is on the wire (the broadcast runs on gloo's or NCCL's own
-        thread), into buffers kept from sync to sync.
+        Rank 0 queues each bucket's broadcast as soon as it is gathered (gloo's or NCCL's own thread sends them in
+        order, so the wire never waits for this thread), then hashes it and gathers the next meanwhile; buckets are
+        gathered into buffers kept from sync to sync, or sent from the parameters' memory (``_gather``).
         """
-        sent, pending = [], None
+        sent, works = [], []
         digests = TensorDigests() if verify and "full" in kinds else None
         for bucket, flat in self._gather(plan, shared=False):
             if self.rank == 0:
-                if pending is not None:
-                    pending.wait()
-                pending = self._sync_group.broadcast(flat.view(torch.uint8), async_op=True)  # SGLang's bucket layout
+                works.append(self._sync_group.broadcast(flat.view(torch.uint8), async_op=True))  # SGLang's layout
                 if digests is not None:  # hashed while on the wire
                     digests.add(unpack(bucket, flat))
                 sent.append(flat)
-        if pending is not None:
-            pending.wait()
+        for work in works:
+            work.wait()
         if self.rank != 0 or not verify:
             return None
         checksums = sent_checksums(plan, sent, [k for k in kinds if k != "full"])

@@ -27,19 +27,19 @@ def native_bf16(device: torch.device) -> bool:
     return bool(caps.get("avx512_bf16") or caps.get("amx_bf16"))
 
 
-def configure_host(num_threads: int, reuse_freed_memory: bool) -> None:
-    """Set this process's torch threads and, with ``reuse_freed_memory``, keep freed memory for its next tensors.
+def configure_host(num_threads: int, tune_malloc: bool) -> None:
+    """Set this process's torch threads and, with ``tune_malloc``, keep freed memory in its heap for its next tensors.
 
     glibc serves an allocation over its mmap threshold (32 MB at most) with a fresh mapping and unmaps it on free,
-    so a training step's large temporaries (activations, logits, gradient buckets) page-fault on first touch every
-    step: a new 100 MB tensor costs ~45 ms here against ~5 ms for reused memory. With it on, glibc allocates from
-    its heap and keeps freed memory in the process (the resident size stays at the step's peak instead of falling
-    back between steps). Measured on a 2-core EPYC: a rank's step on the quick-start workload ~10% faster
-    (``docs/performance.md``); the embedded engine, whose large tensors persist, gained nothing and does not use it.
-    A no-op where the C library is not glibc.
+    and returns freed heap memory to the OS, so the large temporaries of every training or decode step
+    (activations, logits, gradient buckets) page-fault on first touch every step: a new 100 MB tensor costs ~45 ms
+    on a 2-core EPYC against ~5 ms for reused memory. With it on, glibc allocates from its heap and keeps what is
+    freed (the resident size stays at the step's peak instead of falling back between steps). Measured there: a
+    trainer rank's step on the quick-start workload ~10% faster, the embedded engine's decode ~20%
+    (``docs/performance.md``, ``docs/engine.md``). A no-op where the C library is not glibc.
     """
     torch.set_num_threads(num_threads)
-    if reuse_freed_memory:
+    if tune_malloc:
         _glibc_keep_freed_memory()
 
 

@@ -160,7 +160,7 @@ class MegatronBackend(DataParallelOps):
             )
         if reference:
             raise ValueError("the Megatron backend keeps no on-rank KL reference: give TrainerGroup a ReferenceGroup")
-        configure_host(config.num_threads, config.reuse_freed_memory)
+        configure_host(config.num_threads, config.tune_malloc)
         if not ps.model_parallel_is_initialized():
             ps.initialize_model_parallel(
                 tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep

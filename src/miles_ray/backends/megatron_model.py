@@ -90,11 +90,10 @@ class MegatronBackendConfig(MicroBatchConfig):
         "float32", description="Model dtype; bfloat16 keeps fp32 main params and grads in Megatron's optimizer."
     )
     num_threads: int = Field(1, ge=1, le=256, description="torch intra-op threads per rank.")
-    reuse_freed_memory: bool = Field(
+    tune_malloc: bool = Field(
         True,
-        description="Keep freed host memory in the rank's process for its next tensors (glibc) instead of returning "
-        "it to the OS between steps: no page faults on every step's large temporaries; the resident size stays at "
-        "the step's peak (devices.configure_host).",
+        description="glibc only: keep freed host memory in the rank's heap (mallopt) so each step's large temporaries "
+        "do not page-fault afresh; the resident size stays at the step's peak (devices.configure_host). Process-wide.",
     )
     seed: int = Field(1234, description="Seed of Megatron's RNG tracker (per-TP-rank states).")
     transformer_args: dict[str, Any] = Field(

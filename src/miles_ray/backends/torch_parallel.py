@@ -55,11 +55,10 @@ class TorchBackendConfig(MicroBatchConfig):
         "compilation. Same losses as eager (tested); whether it is faster depends on the device.",
     )
     num_threads: int = Field(1, ge=1, le=256, description="torch intra-op threads per rank.")
-    reuse_freed_memory: bool = Field(
+    tune_malloc: bool = Field(
         True,
-        description="Keep freed host memory in the rank's process for its next tensors (glibc) instead of returning "
-        "it to the OS between steps: no page faults on every step's large temporaries; the resident size stays at "
-        "the step's peak (devices.configure_host).",
+        description="glibc only: keep freed host memory in the rank's heap (mallopt) so each step's large temporaries "
+        "do not page-fault afresh; the resident size stays at the step's peak (devices.configure_host). Process-wide.",
     )
     lora: LoRAConfig | None = Field(
         None,
@@ -207,7 +206,7 @@ class DataParallelModel(DataParallelOps):
     def __init__(self, config: TorchBackendConfig, optim: OptimizerConfig | None, module: torch.nn.Module):
         self.config = config
         self.optim_config = optim
-        configure_host(config.num_threads, config.reuse_freed_memory)
+        configure_host(config.num_threads, config.tune_malloc)
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.dp_group = None

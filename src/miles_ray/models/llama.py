@@ -180,6 +180,10 @@ def _decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     """
     bsz, num_heads, _, dim = q.shape
     num_kv = keys.shape[1]
+    if keys.device.type == "cpu" and keys.dtype != torch.float32:
+        # the cache slice is strided; a CPU bf16 matmul then copies its transpose element by element, while a block
+        # copy first and the transposed view cost half (2-core Xeon, AMX: decode 6% faster; fp32 is better without)
+        keys = keys.contiguous()
     grouped = q.view(bsz, num_kv, num_heads // num_kv, dim)
     scores = torch.matmul(grouped, keys.transpose(-1, -2)).float() * dim**-0.5
     probs = torch.softmax(scores.masked_fill(~key_mask, float("-inf")), dim=-1).to(values.dtype)

@@ -224,12 +224,14 @@ def test_reference_logprobs_passed_in_equal_the_on_rank_reference(tiny_model_pat
     torch.testing.assert_close(runs[0][2], runs[1][2])
 
 
-def test_compiled_layers_give_the_eager_step(tiny_model_path):
+@pytest.mark.parametrize("parallel", ["fsdp2", "ddp"])  # DDP: parameters in one buffer (flat_params)
+def test_compiled_layers_give_the_eager_step(tiny_model_path, parallel):
     """backend.compile: torch.compile of every decoder layer; the same loss, gradient norm and update as eager."""
     runs = []
     for compile_ in (False, True):
         torch.manual_seed(0)
-        backend = TorchBackend(TorchBackendConfig(compile=compile_), OptimizerConfig(lr=1e-3), tiny_model_path)
+        config = TorchBackendConfig(compile=compile_, parallel=parallel)
+        backend = TorchBackend(config, OptimizerConfig(lr=1e-3), tiny_model_path)
         before = _params(backend)
         metrics = _step(backend).update(_batch(GRPOAdvantageConfig()))
         runs.append((metrics, _params(backend) - before))
@@ -267,11 +269,11 @@ def test_qwen3_families_under_fsdp2_and_ddp(family, request):
     torch.testing.assert_close(d_fsdp, d_ddp, atol=1e-5, rtol=1e-3)
 
 
-def test_ddp_parameters_are_sent_in_place(tiny_model_path):
+def test_ddp_parameters_are_sent_in_place(tiny_model_path, tmp_path):
     """DDP on a CPU lays the trained parameters out in sync order: a sync in their dtype sends their own memory.
 
     Every fp32 bucket is a view of the parameters (same memory, the bytes ``gather_bucket`` packs) before and after
-    an optimizer step; a bf16 sync packs (a cast), and FSDP2's shards are never sent in place.
+    an optimizer step and a checkpoint load; a bf16 sync packs (a cast), and FSDP2's shards are never sent in place.
     """
     for parallel in ("ddp", "fsdp2"):
         backend = TorchBackend(TorchBackendConfig(parallel=parallel), OptimizerConfig(lr=1e-3), tiny_model_path)
@@ -280,12 +282,22 @@ def test_ddp_parameters_are_sent_in_place(tiny_model_path):
         if parallel == "fsdp2":
             assert all(backend.bucket_in_place(b) is None for b in plan.buckets)
             continue
-        params = {p.data_ptr() for p in backend.hf_model.parameters()}
-        for _ in range(2):  # the views follow the parameters through an optimizer step
-            for bucket in plan.buckets:
-                view = backend.bucket_in_place(bucket)
-                assert view is not None and view.data_ptr() in params
-                assert torch.equal(view, backend.gather_bucket(bucket, torch.float32))
+        _assert_sent_in_place(backend, plan)
+        backend.save(str(tmp_path / "ckpt"))
+        saved = _params(backend)
+        for _ in range(2):  # the views follow the parameters through optimizer steps
             _step(backend).update(_batch(GRPOAdvantageConfig()))
+            _assert_sent_in_place(backend, plan)
+        backend.load(str(tmp_path / "ckpt"))  # into the same memory
+        assert torch.equal(_params(backend), saved)
+        _assert_sent_in_place(backend, plan)
         bf16 = backend.sync_plan(torch.bfloat16, bucket_bytes=1 << 20)
         assert all(backend.bucket_in_place(b) is None for b in bf16.buckets)
+
+
+def _assert_sent_in_place(backend, plan):
+    params = {p.data_ptr() for p in backend.hf_model.parameters()}
+    for bucket in plan.buckets:
+        view = backend.bucket_in_place(bucket)
+        assert view is not None and view.data_ptr() in params
+        assert torch.equal(view, backend.gather_bucket(bucket, torch.float32))

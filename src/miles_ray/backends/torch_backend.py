@@ -205,7 +205,7 @@ class TorchBackend(PolicyModel):
         for m in bucket.tensors:
             full = _full(params[m.name])
             if flat is not None:
-                flat[m.offset : m.offset + m.numel].copy_(full.reshape(-1).to("cpu", dtype))
+                flat[m.offset : m.offset + m.numel].copy_(full.reshape(-1))  # cast and move in one pass
         return flat
 
     def bucket_in_place(self, bucket: Bucket) -> torch.Tensor | None:

@@ -164,23 +164,40 @@ def check_in_place_pause_holds_requests(engine, router) -> None:
     assert len(ray.get(pending, timeout=60).completions[0].token_ids) == 4
 
 
-def abort_running_request(engine, max_new_tokens: int):
-    """Start a long request, abort it while the server is paused (so it cannot finish first), resume; its output."""
+def abort_running_request(engine, max_new_tokens: int, pause_first: bool = False):
+    """Start a long request, abort it while the server is paused (so it cannot finish first), resume; its output.
+
+    ``pause_first``: send it to the already paused server, where it is held (vLLM): a fast machine cannot finish it
+    before the pause. SGLang loses an abort of a request its paused server holds (it then runs to the end), so its
+    test pauses once the request is running.
+    """
     from miles_ray.engines.requests import GenerateRequest, SamplingParams
 
     long = GenerateRequest([1, 2, 3], SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True), request_id="long")
+    if pause_first:
+        ray.get(engine.pause.remote("in_place"))
     future = engine.generate.remote(long)
-    wait_outstanding(engine, 1)
-    ray.get(engine.pause.remote("in_place"))
+    wait_outstanding(engine, 1, future)
+    if not pause_first:
+        ray.get(engine.pause.remote("in_place"))
     ray.get(engine.abort.remote("long"))
     ray.get(engine.resume.remote())
     return ray.get(future, timeout=60)
 
 
-def wait_outstanding(engine, count: int) -> None:
-    """Return once ``engine`` holds ``count`` requests (sent to its server, not yet answered)."""
+def wait_outstanding(engine, count: int, future=None) -> None:
+    """Return once ``engine`` holds ``count`` requests (sent to its server, not yet answered).
+
+    ``future``: the request waited for; if it ends first, fail with its output or error instead of waiting on.
+    """
     deadline = time.time() + 60
     while ray.get(engine.health.remote())["outstanding"] < count:
+        if future is not None and ray.wait([future], timeout=0)[0]:
+            try:
+                ended = f"with {ray.get(future)!r}"
+            except Exception as e:  # noqa: BLE001 - reported as the failure's cause
+                ended = f"raising {e!r}"
+            raise AssertionError(f"the request ended before it was seen outstanding, {ended}")
         assert time.time() < deadline, "the request never reached the engine"
         time.sleep(0.002)
 

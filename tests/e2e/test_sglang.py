@@ -93,7 +93,7 @@ def test_memory_release_around_a_train_step(stack):
     engine, pool = stack["engines"][0], stack["pool"]
     long = GenerateRequest(list(PROMPT), SamplingParams(max_new_tokens=400, ignore_eos=True), request_id="busy")
     future = engine.generate.remote(long)
-    wait_outstanding(engine, 1)
+    wait_outstanding(engine, 1, future)
     with pytest.raises(ray.exceptions.RayTaskError, match="release_memory with 1 requests in flight"):
         ray.get(pool.release_memory.remote())
     ray.get(engine.abort.remote("busy"))

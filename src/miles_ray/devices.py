@@ -43,13 +43,14 @@ def configure_host(num_threads: int, tune_malloc: bool) -> None:
         _glibc_keep_freed_memory()
 
 
-def _glibc_keep_freed_memory() -> bool:
+def _glibc_keep_freed_memory() -> None:
     import ctypes
 
     try:
         libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return False
+    except OSError:  # not glibc
+        return
     m_trim_threshold, m_mmap_max = -1, -4  # malloc.h
     # mallopt takes an int: the largest trim threshold it accepts, and no mmap-served allocations at all
-    return bool(libc.mallopt(m_mmap_max, 0)) and bool(libc.mallopt(m_trim_threshold, 2**31 - 1))
+    libc.mallopt(m_mmap_max, 0)
+    libc.mallopt(m_trim_threshold, 2**31 - 1)

@@ -184,13 +184,13 @@ class TrainerWorker(Worker):
         yielded as their memory (``bucket_in_place``: nothing packed; nothing writes it until the sync returns), and
         buffers are made only if some bucket needs packing.
         """
-        buffers = self._buffers(plan, shared) if shared else None
+        buffers = None
         for i, bucket in enumerate(plan.buckets):
             view = None if shared else self.backend.bucket_in_place(bucket)
             if view is not None:
                 yield bucket, view
                 continue
-            if shared is False and buffers is None:
+            if buffers is None and shared is not None:
                 buffers = self._buffers(plan, shared)
             out = None if buffers is None else buffers[i].view(bucket.dtype)
             yield bucket, self.backend.gather_bucket(bucket, bucket.dtype, out)

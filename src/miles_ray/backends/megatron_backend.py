@@ -432,13 +432,13 @@ class MegatronBackend(DataParallelOps):
         return norm, skipped
 
     # --- weights out -----------------------------------------------------------------------------
-    def _hf_tensors(self, dtype: torch.dtype, names=None) -> dict[str, torch.Tensor]:
+    def _hf_tensors(self, dtype: torch.dtype | None, names=None) -> dict[str, torch.Tensor]:
         """On rank 0: HF tensors (all, or those named) rebuilt from its TP group's shards; elsewhere ``{}``.
 
-        Collective over rank 0's TP group (a gather to rank 0) and, for MoE experts, over the expert-TP and expert-
-        parallel ranks of rank 0's replica (each expert-parallel rank holds a block of the experts, each expert-TP
-        rank a slice of them); the other replicas hold the same weights and do nothing. Under pipeline
-        parallelism each stage gathers its own tensors so, then sends them to rank 0.
+        In ``dtype``, or the model's where None. Collective over rank 0's TP group (a gather to rank 0) and, for MoE
+        experts, over the expert-TP and expert-parallel ranks of rank 0's replica (each expert-parallel rank holds a
+        block of the experts, each expert-TP rank a slice of them); the other replicas hold the same weights and do
+        nothing. Under pipeline parallelism each stage gathers its own tensors so, then sends them to rank 0.
         """
         from megatron.core import parallel_state as ps
 
@@ -468,7 +468,7 @@ class MegatronBackend(DataParallelOps):
         if self.rank != 0:
             return {}
         full = megatron_to_hf(shards, self.shape)
-        return {n: t.to(dtype) for n, t in full.items() if n in names}
+        return {n: t if dtype is None else t.to(dtype) for n, t in full.items() if n in names}
 
     def _from_stages(self, shards: dict[str, list[torch.Tensor] | None]) -> dict[str, list[torch.Tensor]]:
         """Every pipeline stage's gathered ``shards`` on rank 0 (from each stage's first rank: where they landed)."""
@@ -496,7 +496,7 @@ class MegatronBackend(DataParallelOps):
 
     def gather_bucket(self, bucket: Bucket, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor | None:
         """Collective (the bucket's sources gathered to rank 0): one flat HF-layout tensor on rank 0 (into ``out``)."""
-        full = self._hf_tensors(dtype, {m.name for m in bucket.tensors})
+        full = self._hf_tensors(None, {m.name for m in bucket.tensors})  # pack casts as it copies: one pass
         return pack(bucket, full, out) if self.rank == 0 else None
 
     def bucket_in_place(self, bucket: Bucket) -> None:

@@ -11,6 +11,10 @@ run does). The whole sync, ``seconds``, is compared with
 
     python benchmarks/weight_sync.py --model smollm2-135m --engines 1
     python benchmarks/weight_sync.py --dtype bfloat16      # bf16 engines: the sync sends bf16 (half the bytes)
+    python benchmarks/weight_sync.py --dtype bfloat16 --no-weight-copy   # ... cast from the fp32 weights each sync
+
+The trainer runs the quick-start's precision (``autocast="auto"``): where that is bf16 a DDP rank keeps a bf16
+copy of its weights (``backends.weight_copy``), written after each optimizer step, and a bf16 sync sends it.
 """
 
 import argparse
@@ -23,6 +27,7 @@ from common import emit
 
 from miles_ray import placement
 from miles_ray.actors import WeightBroadcaster, WeightBroadcasterConfig
+from miles_ray.devices import native_bf16
 from miles_ray.models.hub import MODELS, model_dir
 from miles_ray.stack import StackConfig, build_stack
 
@@ -37,6 +42,11 @@ p.add_argument(
     choices=["ddp", "fsdp2"],
     default="ddp",
     help="the trainer's wrapping: DDP (the quick-start's; a sync in the parameters' dtype sends them in place), FSDP2",
+)
+p.add_argument(
+    "--no-weight-copy",
+    action="store_true",
+    help="no bf16 weight copy on the trainer: a bf16 sync casts the fp32 weights (the behaviour before it)",
 )
 args = p.parse_args()
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -101,8 +111,28 @@ def gloo_seconds(bucket_sizes: list[int]) -> float:
     return min(ray.get([peer.run.remote(bucket_sizes, args.repeats) for peer in peers]))
 
 
+def copy_write_seconds() -> float:
+    """Best ``WeightCopy.refresh`` of the model (one thread): what each optimizer step adds for the copy."""
+    from transformers import AutoModelForCausalLM
+
+    from miles_ray.backends.flat_params import flatten_parameters
+    from miles_ray.backends.weight_copy import WeightCopy
+
+    torch.set_num_threads(1)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    flatten_parameters(list(model.parameters()))
+    copy = WeightCopy(model)
+    best = float("inf")
+    for _ in range(args.repeats):
+        start = time.perf_counter()
+        copy.refresh(force=True)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
 engine = {"model_path": path, "dtype": args.dtype}
-trainer = {"model_path": path, "backend": {"parallel": args.parallel}}
+backend = {"parallel": args.parallel, "autocast": "auto", "weight_copy": not args.no_weight_copy}
+trainer = {"model_path": path, "backend": backend}
 config = StackConfig(trainer=trainer, pool={"num_engines": args.engines, "engine": engine})
 stack = build_stack(config, placement.create(placement.disaggregated(1, args.engines)))
 engines, workers = list(stack.engines), ray.get(stack.trainer.workers.remote())
@@ -123,10 +153,20 @@ for transport in ["broadcast", "shared_memory"]:
         r = best_sync(transport, verify)
         rows.append({"transport": transport, "verify": verify, "seconds": r["seconds"]})
         rows[-1]["fraction"] = references[transport] / r["seconds"]  # of the reference's speed on the same bytes
+# the trainer's autocast "auto" is bf16 where this CPU computes it natively, and only then is there a copy
+copy = native_bf16(torch.device("cpu")) and args.parallel == "ddp" and not args.no_weight_copy
+if copy and args.dtype == "bfloat16":  # not in the sync: in the optimizer step, whose forwards read the copy too
+    seconds = copy_write_seconds()
+    label = "copy written by the step (not in the sync)"
+    rows.append(
+        {"transport": label, "verify": None, "seconds": seconds, "fraction": references["shared_memory"] / seconds}
+    )
 for row in rows:
     row["gb_per_s"] = nbytes / row["seconds"] / 1e9
 print(
     f"model {args.model}: {nbytes / 1e6:.0f} MB {args.dtype}, {args.engines} engine(s), one node, "
-    f"trainer {args.parallel}; fraction = reference / sync"
+    f"trainer {args.parallel}, bf16 weight copy {copy}; "
+    "fraction = reference / sync"
 )
-emit("_".join(["weight_sync"] + [a for a in (args.dtype, args.parallel) if a not in ("float32", "ddp")]), rows)
+name = [a for a in (args.dtype, args.parallel) if a not in ("float32", "ddp")]
+emit("_".join(["weight_sync", *name] + (["no_copy"] if args.no_weight_copy else [])), rows)

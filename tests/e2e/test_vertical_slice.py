@@ -223,19 +223,25 @@ def test_kl_as_reward_penalty_on_two_ranks(make_placement, tiny_model_path):
 @pytest.mark.parametrize("transport", ["shared_memory", "broadcast"])
 def test_bf16_engines_get_bf16_weights_and_verify(make_placement, tiny_model_path, transport):
     """``engine_dtype="auto"``: engines holding bfloat16 are sent bfloat16 (half the bytes of float32), and what they
-    hold hashes to what was sent, before and after a training step; a verified float32 sync is refused at start."""
+    hold hashes to what was sent, before and after a training step; a verified float32 sync is refused at start.
+
+    Two DDP ranks under bf16 autocast keep a bf16 weight copy (``backends.weight_copy``): their forwards read it, the
+    sync sends it, and the step's optimizer rewrites it (a stale copy would send the weights of before the step again).
+    """
     from miles_ray.actors.weight_broadcaster import WeightBroadcaster, WeightBroadcasterConfig
 
-    pl = make_placement(placement.colocated(1) if transport == "shared_memory" else placement.disaggregated(1, 1))
+    n = 2 if transport == "shared_memory" else 1
+    pl = make_placement(placement.colocated(2) if transport == "shared_memory" else placement.disaggregated(2, 1))
+    backend = {"parallel": "ddp", "autocast": "bfloat16"}
     config = StackConfig(
-        trainer={"model_path": tiny_model_path, "num_ranks": 1, "optimizer": {"lr": 1e-3}},
-        pool={"num_engines": 1, "engine": {"model_path": tiny_model_path, "dtype": "bfloat16"}},
+        trainer={"model_path": tiny_model_path, "num_ranks": 2, "optimizer": {"lr": 1e-3}, "backend": backend},
+        pool={"num_engines": n, "engine": {"model_path": tiny_model_path, "dtype": "bfloat16"}},
         broadcaster={"transport": transport, "bucket_bytes": 1 << 20},
     )
     stack = build_stack(config, pl)
     report = ray.get(stack.broadcaster.sync.remote(0))
     assert report["dtype"] == "bfloat16"
-    assert ray.get(stack.engines[0].weights_checksum.remote()) == report["checksum"]
+    assert ray.get([e.weights_checksum.remote() for e in stack.engines]) == [report["checksum"]] * n
     workers = ray.get(stack.trainer.workers.remote())
     assert ray.get(workers[0].sync_plan.remote("float32", 1 << 20)).total_bytes == 2 * report["bytes"]
     # a float32 sync into bfloat16 engines could never verify: refused when the broadcaster starts
@@ -247,5 +253,5 @@ def test_bf16_engines_get_bf16_weights_and_verify(make_placement, tiny_model_pat
     version = ray.get(stack.trainer.train_step.remote(synthetic_group(0)))["weight_version"]
     after = ray.get(stack.broadcaster.sync.remote(version))
     assert after["checksum"] != report["checksum"]
-    assert ray.get(stack.engines[0].weights_checksum.remote()) == after["checksum"]
+    assert ray.get([e.weights_checksum.remote() for e in stack.engines]) == [after["checksum"]] * n
     stack.shutdown()

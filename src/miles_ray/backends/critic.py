@@ -77,11 +77,11 @@ class TorchCriticBackend(DataParallelModel):
         """
         p = self.config.packing
         if p is None:
-            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+            with self.forward_context():
                 values = self.model(batch.input_ids.to(self.device), batch.attention_mask.to(self.device))
             return values[:, :-1]
         packed = pack_rows(batch, p.share_prefix, p.max_row_tokens)
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+        with self.forward_context():
             values = self.model(
                 packed.input_ids.to(self.device),
                 packed.attention.to(self.device),

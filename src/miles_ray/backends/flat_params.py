@@ -67,3 +67,17 @@ def bucket_view(bucket: Bucket, tensors: dict[str, torch.Tensor]) -> torch.Tenso
 def _plain(t: torch.Tensor, dtype: torch.dtype) -> bool:
     # a DTensor (FSDP2's shard) has the full tensor elsewhere; a non-contiguous one is not laid out as packed
     return not hasattr(t, "full_tensor") and t.dtype == dtype and t.is_contiguous()
+
+
+def flat_base(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """The one buffer ``tensors`` tile end to end (in any order, no gaps), as a 1-D tensor over it, or None."""
+    if not tensors or not all(_plain(t, tensors[0].dtype) for t in tensors):
+        return None
+    storage = tensors[0].untyped_storage()
+    if any(t.untyped_storage().data_ptr() != storage.data_ptr() for t in tensors):
+        return None
+    spans = sorted((t.storage_offset(), t.numel()) for t in tensors)
+    if any(start != prev + n for (prev, n), (start, _) in zip(spans, spans[1:])):
+        return None
+    total = spans[-1][0] + spans[-1][1] - spans[0][0]
+    return torch.empty(0, dtype=tensors[0].dtype, device=tensors[0].device).set_(storage, spans[0][0], (total,))

@@ -93,7 +93,7 @@ class PolicyModel(DataParallelModel):
         if packed is None:
             return self._padded_logprobs(batch, temperature)
         keep = packed.columns().to(self.device)
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+        with self.forward_context():
             out = self.model(
                 input_ids=packed.input_ids.to(self.device),
                 position_ids=packed.position_ids.to(self.device),
@@ -109,7 +109,7 @@ class PolicyModel(DataParallelModel):
         input_ids = batch.input_ids.to(self.device)
         start = batch.first_trained_position()
         keep = torch.arange(start, input_ids.shape[1] - 1, device=self.device)
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+        with self.forward_context():
             out = self.model(
                 input_ids=input_ids, attention_mask=batch.attention_mask.to(self.device), logits_to_keep=keep
             )
@@ -198,7 +198,7 @@ class TorchBackend(PolicyModel):
     @torch.no_grad()
     def gather_bucket(self, bucket: Bucket, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor | None:
         """Collective: gather the bucket's (possibly sharded) parameters; rank 0 returns them packed (into ``out``)."""
-        params = dict(self._named_params())
+        params = self._sync_sources(dtype)
         flat = None
         if self.rank == 0:
             flat = torch.empty(bucket.numel, dtype=dtype) if out is None else out
@@ -209,8 +209,14 @@ class TorchBackend(PolicyModel):
         return flat
 
     def bucket_in_place(self, bucket: Bucket) -> torch.Tensor | None:
-        """The bucket as a view of the parameters' own memory (``flat_params``; DDP on a CPU), or None."""
-        return bucket_view(bucket, dict(self._named_params())) if self.rank == 0 else None
+        """The bucket as a view of the parameters' memory (``flat_params``) or of their ``weight_copy``, or None."""
+        return bucket_view(bucket, self._sync_sources(bucket.dtype)) if self.rank == 0 else None
+
+    def _sync_sources(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """What a sync in ``dtype`` reads: the weight copy when it is in that dtype (no cast), else the weights."""
+        if self.weight_copy is not None and self.weight_copy.dtype == dtype:
+            return self.weight_copy.tensors()
+        return dict(self._named_params())
 
 
 def _full(p: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,7 @@ backends share these pieces, they do not inherit each other.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from collections.abc import Sequence
@@ -25,6 +26,7 @@ from miles_ray.backends.flat_params import flatten_parameters
 from miles_ray.backends.lora import LoRAConfig
 from miles_ray.backends.optimizer import OptimizerConfig
 from miles_ray.backends.packing import MicroBatchConfig, micro_batches_of
+from miles_ray.backends.weight_copy import WeightCopy
 from miles_ray.devices import configure_host, native_bf16, rank_device
 from miles_ray.models.quant import WeightFormatConfig
 from miles_ray.state_codec import load_state, save_state
@@ -47,6 +49,13 @@ class TorchBackendConfig(MicroBatchConfig):
         description="Mixed precision: bfloat16 autocast of forward/backward (fp32 master weights). 'auto': bfloat16 "
         "where the rank's device computes it natively (CUDA with bf16, CPUs with AVX512-BF16 or AMX), else none "
         "(an AVX2-only CPU emulates bf16 matmuls, ~17x slower than fp32).",
+    )
+    weight_copy: bool = Field(
+        True,
+        description="With bfloat16 autocast on a DDP rank: keep a bf16 copy of the weights, written after "
+        "each optimizer step, that the linear layers compute with and a bf16 weight sync sends, instead of autocast "
+        "casting every weight in every forward and the sync casting them again (backends.weight_copy; same losses "
+        "and gradients exactly). 2 bytes per weight. Not applied with FSDP2, LoRA, weight_format or compile.",
     )
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
     compile: bool = Field(
@@ -225,6 +234,7 @@ class DataParallelModel(DataParallelOps):
         if config.compile:  # in place, before wrapping: parameter names and FSDP2's per-layer units stay as they are
             for layer in self.hf_model.model.layers:
                 layer.compile(dynamic=True)
+        self.weight_copy = WeightCopy(self.hf_model) if self._keeps_weight_copy() else None
         self.optimizer = None
         if optim is None:  # frozen: no gradients; DDP refuses a module without trainable parameters
             self.hf_model.requires_grad_(False).eval()
@@ -240,6 +250,24 @@ class DataParallelModel(DataParallelOps):
             weight_decay=optim.weight_decay,
             fused=True,
         )
+        if self.weight_copy is not None:  # written once per step, as Megatron writes its bf16 model weights
+            self.optimizer.register_step_post_hook(lambda *_: self.weight_copy.refresh(force=True))
+
+    def _keeps_weight_copy(self) -> bool:
+        """``config.weight_copy`` where it applies: bf16 autocast of fp32 plain weights, each rank holding them all."""
+        c = self.config
+        # LoRA and fake-quant layers compute otherwise; compiled layers would recompile for every new tensor; FSDP2
+        # holds a shard of each weight, gathered per layer (a bf16 MixedPrecisionPolicy would be its equivalent)
+        plain = c.lora is None and c.weight_format is None and not c.compile and param_dtype(c) == torch.float32
+        return c.weight_copy and self.autocast and plain and c.parallel == "ddp"
+
+    def forward_context(self) -> contextlib.AbstractContextManager:
+        """A forward's precision: bf16 autocast when on, the linear layers reading the weight copy when kept."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast))
+        if self.weight_copy is not None:
+            stack.enter_context(self.weight_copy.linear_weights())
+        return stack
 
     def micro_batches(self, batch: RolloutBatch) -> list[torch.Tensor]:
         """The batch's rows cut into micro-batches of whole shared-prefix segments (``backends.packing``)."""
@@ -320,4 +348,6 @@ class DataParallelModel(DataParallelOps):
         state = {"model": model_sd, "optim": optim_sd}
         dcp.load(state, checkpoint_id=path)
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        if self.weight_copy is not None:
+            self.weight_copy.invalidate()
         load_rng(path, self.rank)

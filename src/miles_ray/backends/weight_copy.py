@@ -14,8 +14,8 @@ A sync to bf16 engines sends the copy as it lies (``bucket_view``) or copies fro
 
 Only modules of exactly ``nn.Linear`` read the copy: subclasses (peft's LoRA layers, fake-quant layers) and
 everything else (embeddings, norms) compute as they did, and so does a recomputation under gradient checkpointing
-(it runs after the block; autocast casts there as before, to the same values). The copy costs 2 bytes per weight; autocast's own casts
-held as much for every forward until its backward.
+(it runs after the block; autocast casts there as before, to the same values). The copy costs 2 bytes per weight;
+autocast's own casts held as much for every forward until its backward.
 
 Usage::
 

@@ -167,9 +167,8 @@ def check_in_place_pause_holds_requests(engine, router) -> None:
 def abort_running_request(engine, max_new_tokens: int, pause_first: bool = False):
     """Start a long request, abort it while the server is paused (so it cannot finish first), resume; its output.
 
-    ``pause_first``: send it to the already paused server, where it is held (vLLM): a fast machine cannot finish it
-    before the pause. SGLang loses an abort of a request its paused server holds (it then runs to the end), so its
-    test pauses once the request is running.
+    ``pause_first``: send it to the already paused server, where it is held: a fast machine cannot finish it before
+    the pause, and the abort ends a request that never started.
     """
     from miles_ray.engines.requests import GenerateRequest, SamplingParams
 

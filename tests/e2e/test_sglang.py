@@ -8,6 +8,9 @@ shared-memory handle (``/update_weights_from_tensor``). The server's interpreter
 fail where ``MILES_RAY_REQUIRE`` names sglang, as in scripts/test.sh).
 """
 
+import json
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -80,8 +83,26 @@ def test_pause_keeps_requests_and_abort_ends_them(stack):
     check_in_place_pause_holds_requests(engine, stack["router"])
     [completion] = abort_running_request(engine, max_new_tokens=500).completions
     assert completion.finish_reason == "abort" and len(completion.token_ids) == len(completion.logprobs) < 500
+    # sent to the paused server, the request is held there: its abort ends it with no output, as vLLM's does
+    # (SGLang itself loses that abort and runs the request to its end once the server continues)
+    assert abort_running_request(engine, max_new_tokens=500, pause_first=True).completions == []
+    deadline = time.time() + 30
+    while (queued := ray.get(engine.__ray_call__.remote(_server_queue))) > 0:  # dropped once SGLang sees it gone
+        assert time.time() < deadline, f"the server still runs or queues {queued} request(s) 30 s after the abort"
+        time.sleep(0.5)
     with pytest.raises(ValueError, match="pause mode"):
         ray.get(engine.pause.remote("later"))
+
+
+def _server_queue(actor) -> int:
+    """Run in the engine actor: requests its SGLang server runs or queues (``/v1/loads``, with the server's key)."""
+    server = actor.server
+    headers = {"Authorization": f"Bearer {server.api_key}"}
+    request = urllib.request.Request(f"{server.url}/v1/loads?include=core", headers=headers)
+    with urllib.request.urlopen(request, timeout=10) as r:
+        loads = json.load(r)["loads"]
+    assert loads and all("num_running_reqs" in d and "num_waiting_reqs" in d for d in loads), loads
+    return sum(d["num_running_reqs"] + d["num_waiting_reqs"] for d in loads)
 
 
 def test_memory_release_around_a_train_step(stack):

@@ -28,7 +28,7 @@ import torch
 import torch.multiprocessing
 
 from miles_ray.actors.server_engine import ServerEngineActor
-from miles_ray.engines.requests import DEFAULT_MODEL_NAME, PauseMode
+from miles_ray.engines.requests import DEFAULT_MODEL_NAME, GenerateOutput, GenerateRequest, PauseMode
 from miles_ray.engines.sglang import SGLangEngineConfig, SGLangError, SGLangServer
 from miles_ray.sync.broadcast import group_name
 from miles_ray.sync.buckets import AdapterSpec, SyncPlan, unpack
@@ -53,23 +53,54 @@ class SGLangEngineActor(ServerEngineActor):
         self._group_name: str | None = None  # of the broadcast group the server's ranks are in
         self._adapter: str | None = None  # the LoRA adapter new requests use (None: the base weights)
         self._unloading: asyncio.Task | None = None  # the previous adapter's unload, once its requests finish
+        self._paused = False  # the server holds new requests (a pause, a weight load)
+        self._held: set[str] = set()  # requests sent while it was paused, not yet released
 
     def _request_options(self) -> dict:
         return {"adapter": self._adapter}
 
+    async def generate(self, request: GenerateRequest) -> GenerateOutput:
+        """As ``ServerEngineActor.generate``; a request sent to the paused server is held there until it continues."""
+        held = self._paused and bool(request.request_id)
+        if held:
+            self._held.add(request.request_id)
+        try:
+            return await super().generate(request)
+        finally:
+            self._held.discard(request.request_id)
+
     async def abort(self, request_id: str | None = None) -> None:
-        """Abort one request on the server (all if None); its caller gets what SGLang returns for it."""
+        """Abort one request on the server (all if None); its caller gets what SGLang returns for it.
+
+        A request the paused server holds gets no output (``completions == []``, as vLLM answers it): SGLang marks
+        its abort sent but has not scheduled it yet, so the abort is lost and the request would run to its end once
+        the server continues. This actor drops it instead (closing its connection; SGLang aborts it when it sees the
+        client gone) and does not send SGLang the abort it would lose.
+        """
         await self._started()
-        body = {"abort_all": True} if request_id is None else {"rid": request_id}
-        await self.server.post("/abort_request", body)
+        held = list(self._held) if request_id is None else [r for r in [request_id] if r in self._held]
+        for rid in held:
+            if (task := self._inflight.get(rid)) is not None:
+                task.cancel()
+        if request_id is None or not held:
+            await self.server.post("/abort_request", {"abort_all": True} if request_id is None else {"rid": request_id})
 
     async def _pause(self, mode: PauseMode) -> None:
         await self._started()
+        await self._pause_server(mode)
+
+    async def _pause_server(self, mode: PauseMode) -> None:
+        self._paused = True  # before the route: a request sent meanwhile may be held already
         await self.server.post("/pause_generation", {"mode": mode})
+
+    async def _continue_server(self) -> None:
+        await self.server.post("/continue_generation", {})
+        self._paused = False
+        self._held.clear()  # released: SGLang schedules them, and aborts reach them again
 
     async def resume(self) -> None:
         """Continue after ``pause``."""
-        await self.server.post("/continue_generation", {})
+        await self._continue_server()
 
     async def flush_cache(self) -> None:
         """Drop SGLang's radix (prefix) cache; it is also flushed after every weight load."""
@@ -201,7 +232,7 @@ class SGLangEngineActor(ServerEngineActor):
             )
         await self._started()
         start = time.perf_counter()
-        await self.server.post("/pause_generation", {"mode": "in_place"})
+        await self._pause_server("in_place")
         try:
             session = await self._optional("/begin_weight_update")
             try:
@@ -212,7 +243,7 @@ class SGLangEngineActor(ServerEngineActor):
             await self.server.call("/update_weight_version", {"new_version": str(version), "abort_all_requests": False})
             self._version = version
         finally:
-            await self.server.post("/continue_generation", {})
+            await self._continue_server()
         self._checksum = None
         if verify:
             self._checksum = probe_checksum(await self.server.weight_rows(plan.names))

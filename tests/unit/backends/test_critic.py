@@ -81,3 +81,20 @@ def test_head_lr_gives_the_value_head_its_own_learning_rate(tiny_model_path):
     head = critic.hf_model.value_head.weight
     head = (head.full_tensor() if hasattr(head, "full_tensor") else head).detach()
     assert float(head.abs().max()) == pytest.approx(1e-2, rel=1e-3)  # Adam's first step moves each weight by lr
+
+
+def test_the_weight_copy_gives_the_critic_autocast_s_values_and_updates_exactly(tiny_model_path):
+    """bf16 autocast on a DDP rank: with and without the bf16 weight copy, the same values and weights bit for bit."""
+    batch = _batch()
+    returns = batch.rewards[:, None] * batch.response_mask
+    runs = []
+    for weight_copy in (False, True):
+        torch.manual_seed(0)
+        config = TorchBackendConfig(parallel="ddp", autocast="bfloat16", weight_copy=weight_copy, micro_batch_size=3)
+        critic = TorchCriticBackend(config, OptimizerConfig(lr=1e-2), tiny_model_path)
+        assert (critic.weight_copy is not None) == weight_copy
+        losses = [value_update(critic, batch, torch.zeros_like(returns), returns, None)["value_loss"] for _ in range(2)]
+        runs.append((losses, critic_values(critic, batch), _params(critic)))
+    (l0, v0, p0), (l1, v1, p1) = runs
+    assert l0 == l1 and l0[1] != l0[0] and (v0 != 0).any()  # the second update saw the first's weights
+    assert torch.equal(v0, v1) and torch.equal(p0, p1)

@@ -64,6 +64,7 @@ class Worker:
         self.world_size = world_size
         self.config = config
         self.backend = None
+        self._store = None  # rank 0: the process group's rendezvous store (host_rendezvous)
 
     def __repr__(self) -> str:
         # the dashboard's Actors tab and log prefixes show it (Ray takes it once, after __init__)
@@ -72,6 +73,18 @@ class Worker:
     def address(self) -> tuple[str, int]:
         """Node IP and a free port, for rendezvous hosted by this rank."""
         return ray.util.get_node_ip_address(), _free_port()
+
+    def host_rendezvous(self) -> tuple[str, int]:
+        """Rank 0: open the process group's rendezvous store on a port the OS picks as it binds; its host and port.
+
+        A port found free and bound later can be taken in between (the group then failed with EADDRINUSE on
+        rank 0 while the other ranks waited for it): binding port 0 leaves no gap.
+        """
+        import torch.distributed as dist
+
+        host = ray.util.get_node_ip_address()
+        self._store = dist.TCPStore(host, 0, self.world_size, is_master=True, wait_for_workers=False)
+        return host, self._store.port
 
     def node_id(self) -> str:
         """The Ray node this rank runs on (two Ray nodes may share one host and IP)."""
@@ -85,7 +98,10 @@ class Worker:
         collective = "nccl" if torch.cuda.is_available() else "gloo"
         if torch.cuda.is_available():
             torch.cuda.set_device(0)  # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU
-        dist.init_process_group(collective, rank=self.rank, world_size=self.world_size)
+        store = self._store
+        if store is None:  # not rank 0: a client of rank 0's
+            store = dist.TCPStore(master_addr, master_port, self.world_size, is_master=False)
+        dist.init_process_group(collective, store=store, rank=self.rank, world_size=self.world_size)
         torch.manual_seed(self.config.seed)
         self.setup()
 
@@ -116,6 +132,6 @@ def start_workers(placement, cls: type, role: str, count_field: str, config, *ar
     """
     n = config.num_ranks
     workers = placement.spawn(cls, role, count_field, n, lambda rank: (rank, n, config, *args))
-    addr, port = ray.get(workers[0].address.remote())
+    addr, port = ray.get(workers[0].host_rendezvous.remote())
     ray.get([w.init.remote(addr, port) for w in workers])
     return workers

@@ -27,7 +27,6 @@ from common import emit
 
 from miles_ray import placement
 from miles_ray.actors import WeightBroadcaster, WeightBroadcasterConfig
-from miles_ray.devices import native_bf16
 from miles_ray.models.hub import MODELS, model_dir
 from miles_ray.stack import StackConfig, build_stack
 
@@ -111,19 +110,13 @@ def gloo_seconds(bucket_sizes: list[int]) -> float:
     return min(ray.get([peer.run.remote(bucket_sizes, args.repeats) for peer in peers]))
 
 
-def copy_write_seconds() -> float:
-    """Best ``WeightCopy.refresh`` of the model (one thread): what each optimizer step adds for the copy."""
-    from transformers import AutoModelForCausalLM
-
-    from miles_ray.backends.flat_params import flatten_parameters
-    from miles_ray.backends.weight_copy import WeightCopy
-
-    torch.set_num_threads(1)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    flatten_parameters(list(model.parameters()))
-    copy = WeightCopy(model)
+def copy_write_seconds(worker, repeats: int) -> float | None:
+    """Run in the trainer rank: its best ``WeightCopy.refresh`` (what each optimizer step adds), None without a copy."""
+    copy = worker.backend.weight_copy
+    if copy is None:
+        return None
     best = float("inf")
-    for _ in range(args.repeats):
+    for _ in range(repeats):
         start = time.perf_counter()
         copy.refresh(force=True)
         best = min(best, time.perf_counter() - start)
@@ -153,10 +146,10 @@ for transport in ["broadcast", "shared_memory"]:
         r = best_sync(transport, verify)
         rows.append({"transport": transport, "verify": verify, "seconds": r["seconds"]})
         rows[-1]["fraction"] = references[transport] / r["seconds"]  # of the reference's speed on the same bytes
-# the trainer's autocast "auto" is bf16 where this CPU computes it natively, and only then is there a copy
-copy = native_bf16(torch.device("cpu")) and args.parallel == "ddp" and not args.no_weight_copy
+# the trainer keeps a copy where its autocast "auto" is bf16 (this CPU computes bf16 natively), with DDP
+seconds = ray.get(workers[0].__ray_call__.remote(copy_write_seconds, args.repeats))
+copy = seconds is not None
 if copy and args.dtype == "bfloat16":  # not in the sync: in the optimizer step, whose forwards read the copy too
-    seconds = copy_write_seconds()
     label = "copy written by the step (not in the sync)"
     rows.append(
         {"transport": label, "verify": None, "seconds": seconds, "fraction": references["shared_memory"] / seconds}

@@ -61,8 +61,7 @@ class SGLangEngineActor(ServerEngineActor):
 
     async def generate(self, request: GenerateRequest) -> GenerateOutput:
         """As ``ServerEngineActor.generate``; a request sent to the paused server is held there until it continues."""
-        held = self._paused and bool(request.request_id)
-        if held:
+        if self._paused and request.request_id:
             self._held.add(request.request_id)
         try:
             return await super().generate(request)
@@ -78,7 +77,7 @@ class SGLangEngineActor(ServerEngineActor):
         client gone) and does not send SGLang the abort it would lose.
         """
         await self._started()
-        held = list(self._held) if request_id is None else [r for r in [request_id] if r in self._held]
+        held = list(self._held) if request_id is None else [request_id] if request_id in self._held else []
         for rid in held:
             if (task := self._inflight.get(rid)) is not None:
                 task.cancel()

@@ -57,17 +57,18 @@ path = str(model_dir(args.model))
 class Peer:
     """One end of a raw gloo broadcast (the reference for the broadcast transport)."""
 
-    def address(self):
-        """Host and a free port for the group's rendezvous."""
-        from miles_ray.actors.workers import _free_port
+    def host(self) -> tuple[str, int]:
+        """Rank 0: open the group's rendezvous store; its host and port."""
+        from miles_ray.sync.broadcast import open_store
 
-        return ray.util.get_node_ip_address(), _free_port()
+        self.store = open_store(ray.util.get_node_ip_address(), 2)
+        return self.store.host, self.store.port
 
     def join(self, host: str, port: int, rank: int) -> None:
-        """Join the two-rank gloo group."""
+        """Join the two-rank gloo group (rank 0 on the store it opened)."""
         from miles_ray.sync.broadcast import BroadcastGroup
 
-        self.group = BroadcastGroup.create(host, port, rank, 2, "gloo")
+        self.group = BroadcastGroup.create(host, port, rank, 2, "gloo", store=getattr(self, "store", None))
 
     def run(self, bucket_sizes: list[int], repeats: int) -> float:
         """Best seconds of ``repeats`` broadcasts of every bucket (rank 0 sends, rank 1 receives)."""
@@ -105,7 +106,7 @@ def memcpy_seconds(nbytes: int) -> float:
 
 def gloo_seconds(bucket_sizes: list[int]) -> float:
     peers = [Peer.remote(), Peer.remote()]
-    host, port = ray.get(peers[0].address.remote())
+    host, port = ray.get(peers[0].host.remote())
     ray.get([peer.join.remote(host, port, rank) for rank, peer in enumerate(peers)])
     return min(ray.get([peer.run.remote(bucket_sizes, args.repeats) for peer in peers]))
 

@@ -91,6 +91,7 @@ class TrainerWorker(Worker):
         self.external_reference = external_reference
         self.step = None
         self._sync_group = None
+        self._sync_store = None  # rank 0: the broadcast group's rendezvous store, between host_ and join_sync_group
         self._sync_buffers: dict[bool, BucketBuffers] = {}  # rank 0: persistent bucket buffers, private and shared
         self._shared: tuple[SyncPlan, list[torch.Tensor]] | None = None  # rank 0: the last shared sync's buckets
         self._steps = 0  # train_step calls on this rank, for ProfilerConfig.steps
@@ -171,11 +172,20 @@ class TrainerWorker(Worker):
         """The bucket plan of this model's parameters in ``dtype``."""
         return self.backend.sync_plan(getattr(torch, dtype), bucket_bytes)
 
-    def join_sync_group(self, host: str, port: int, world_size: int, collective: str) -> None:
-        """Rank 0 joins the weight-broadcast group as its root."""
+    def host_sync_group(self, world_size: int) -> tuple[str, int]:
+        """Rank 0: open the weight-broadcast group's rendezvous store (``open_store``: no port race); host and port."""
+        from miles_ray.sync.broadcast import open_store
+
+        host = ray.util.get_node_ip_address()
+        self._sync_store = open_store(host, world_size)
+        return host, self._sync_store.port
+
+    def join_sync_group(self, world_size: int, collective: str) -> None:
+        """Rank 0 joins the weight-broadcast group as its root, on the store ``host_sync_group`` opened."""
         from miles_ray.sync.broadcast import BroadcastGroup
 
-        self._sync_group = BroadcastGroup.create(host, port, 0, world_size, collective)
+        store, self._sync_store = self._sync_store, None
+        self._sync_group = BroadcastGroup.create(store.host, store.port, 0, world_size, collective, store=store)
 
     def _gather(self, plan: SyncPlan, shared: bool | None = None):
         """Collective: each bucket gathered on rank 0, into its buffer of ``_buffers(plan, shared)`` unless None.

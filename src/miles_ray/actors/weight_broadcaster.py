@@ -142,12 +142,12 @@ class WeightBroadcaster:
         collective = self.config.collective
         if collective == "auto":
             collective = "nccl" if torch.cuda.is_available() or ray.cluster_resources().get("GPU", 0) > 0 else "gloo"
-        host, port = ray.get(self._workers[0].address.remote())
         ranks = ray.get([e.sync_ranks.remote() for e in self._engines])  # an SGLang server joins with its TP ranks
         offsets = [1 + sum(ranks[:i]) for i in range(len(ranks))]
         world = 1 + sum(ranks)
+        host, port = ray.get(self._workers[0].host_sync_group.remote(world))
         ray.get(
-            [self._workers[0].join_sync_group.remote(host, port, world, collective)]
+            [self._workers[0].join_sync_group.remote(world, collective)]
             + [e.join_sync_group.remote(host, port, off, world, collective) for off, e in zip(offsets, self._engines)]
         )
         self._group_ready = True

@@ -10,7 +10,6 @@ the values on that sample's trained tokens.
 from __future__ import annotations
 
 import os
-import socket
 
 import ray
 import torch
@@ -46,12 +45,6 @@ def from_masked_lists(lists: list[list[float]], mask: torch.Tensor, field: str) 
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Worker:
     """One rank of a group; subclasses build ``self.backend`` in ``setup`` (apply ``ray.remote`` via ``start_workers``).
 
@@ -70,20 +63,12 @@ class Worker:
         # the dashboard's Actors tab and log prefixes show it (Ray takes it once, after __init__)
         return f"{type(self).__name__}(rank={self.rank}, world_size={self.world_size})"
 
-    def address(self) -> tuple[str, int]:
-        """Node IP and a free port, for rendezvous hosted by this rank."""
-        return ray.util.get_node_ip_address(), _free_port()
-
     def host_rendezvous(self) -> tuple[str, int]:
-        """Rank 0: open the process group's rendezvous store on a port the OS picks as it binds; its host and port.
-
-        A port found free and bound later can be taken in between (the group then failed with EADDRINUSE on
-        rank 0 while the other ranks waited for it): binding port 0 leaves no gap.
-        """
-        import torch.distributed as dist
+        """Rank 0: open the process group's rendezvous store (``open_store``: no port race); its host and port."""
+        from miles_ray.sync.broadcast import open_store
 
         host = ray.util.get_node_ip_address()
-        self._store = dist.TCPStore(host, 0, self.world_size, is_master=True, wait_for_workers=False)
+        self._store = open_store(host, self.world_size)
         return host, self._store.port
 
     def node_id(self) -> str:

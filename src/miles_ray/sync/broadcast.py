@@ -7,9 +7,11 @@ group. ``collective="gloo"`` moves CPU tensors; on GPUs the same code path uses 
 Buckets travel as bytes (``uint8``), SGLang's ``flattened_bucket`` layout: a one-dtype bucket's flat buffer
 viewed as bytes is exactly that layout.
 
-Usage (rank 0 is the sender)::
+Usage (rank 0 is the sender and hosts the rendezvous store)::
 
-    group = BroadcastGroup.create("127.0.0.1", port, rank, world_size)
+    store = open_store(host, world_size)                                    # rank 0; the others get store.port
+    group = BroadcastGroup.create(host, store.port, 0, world_size, store=store)
+    group = BroadcastGroup.create(host, port, rank, world_size)            # ranks 1..: clients of that store
     group.broadcast(flat.view(torch.uint8))        # in place on receivers
 """
 
@@ -21,6 +23,16 @@ import torch
 import torch.distributed as dist
 
 GROUP_NAME = "miles_ray_weight_sync"
+
+
+def open_store(host: str, world_size: int, timeout_s: float = 300.0) -> dist.TCPStore:
+    """Rank 0's rendezvous store, bound to a port the OS picks as it binds (``.port``; tell the other ranks).
+
+    A port found free and bound later can be taken in between: the group then failed with EADDRINUSE on
+    rank 0 while the other ranks waited for it. Binding port 0 leaves no gap.
+    """
+    timeout = datetime.timedelta(seconds=timeout_s)
+    return dist.TCPStore(host, 0, world_size, is_master=True, wait_for_workers=False, timeout=timeout)
 
 
 def group_name(port: int) -> str:
@@ -46,8 +58,12 @@ class BroadcastGroup:
         world_size: int,
         collective: str = "gloo",
         timeout_s: float = 300.0,
+        store: dist.Store | None = None,
     ) -> BroadcastGroup:
         """Join the group; rank 0 hosts the rendezvous store. Blocks until all ranks joined.
+
+        ``store``: rank 0's own from ``open_store`` (on ``port``); without it rank 0 binds ``port`` itself, which
+        SGLang's servers do not need but which can race with another process for the port.
 
         Raises:
             ValueError: for a collective other than gloo/nccl.
@@ -58,7 +74,8 @@ class BroadcastGroup:
         if collective not in ("gloo", "nccl"):
             raise ValueError(f"collective must be 'gloo' or 'nccl', got {collective!r}")
         timeout = datetime.timedelta(seconds=timeout_s)
-        store, _, _ = next(rendezvous(f"tcp://{host}:{port}", rank, world_size, timeout=timeout))
+        if store is None:
+            store, _, _ = next(rendezvous(f"tcp://{host}:{port}", rank, world_size, timeout=timeout))
         store.set_timeout(timeout)
         name = group_name(port)
         store = dist.PrefixStore(name, store)

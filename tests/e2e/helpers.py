@@ -164,6 +164,23 @@ def check_in_place_pause_holds_requests(engine, router) -> None:
     assert len(ray.get(pending, timeout=60).completions[0].token_ids) == 4
 
 
+def check_a_weight_load_keeps_a_pause(engine, router, broadcaster, version: int) -> None:
+    """A weight load into an engine paused by the user leaves it paused: requests wait until ``resume``.
+
+    (The servers' load paused and resumed them itself, and so resumed a server the user had paused.)
+    """
+    from miles_ray.engines.requests import GenerateRequest, SamplingParams
+
+    ray.get(engine.pause.remote("in_place"))
+    ray.get(broadcaster.sync.remote(version))
+    assert ray.get(engine.weight_version.remote()) == version
+    pending = router.generate.remote(GenerateRequest([1, 2, 3], SamplingParams(n=1, max_new_tokens=4)))
+    ready, _ = ray.wait([pending], timeout=2.0)
+    assert not ready, "the weight load resumed the paused engine"
+    ray.get(engine.resume.remote())
+    assert len(ray.get(pending, timeout=60).completions[0].token_ids) == 4
+
+
 def abort_running_request(engine, max_new_tokens: int, pause_first: bool = False):
     """Start a long request, abort it while the server is paused (so it cannot finish first), resume; its output.
 

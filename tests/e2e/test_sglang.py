@@ -18,6 +18,7 @@ import ray
 from helpers import SGLANG_PROMPT as PROMPT
 from helpers import (
     abort_running_request,
+    check_a_weight_load_keeps_a_pause,
     check_in_place_pause_holds_requests,
     grpo_in_step,
     server_auth_probe,
@@ -76,6 +77,11 @@ def test_probe_checksum_tells_other_weights_apart(stack):
     original = load_file(str(Path(stack["model_path"]) / "model.safetensors"))
     plan_names = ray.get(ray.get(stack["trainer"].workers.remote())[0].sync_plan.remote("float32", 1 << 30)).names
     assert probe_checksum(probe_rows((n, original[n]) for n in plan_names)) != server  # the checkpoint was trained
+
+
+def test_a_weight_load_keeps_the_engine_paused(stack):
+    version = ray.get(stack["trainer"].weight_version.remote())
+    check_a_weight_load_keeps_a_pause(stack["engines"][0], stack["router"], stack["broadcast"], version)
 
 
 def test_pause_keeps_requests_and_abort_ends_them(stack):

@@ -9,6 +9,7 @@ import pytest
 import ray
 from helpers import (
     abort_running_request,
+    check_a_weight_load_keeps_a_pause,
     check_in_place_pause_holds_requests,
     max_logprob_diff,
     server_auth_probe,
@@ -111,6 +112,11 @@ def test_weight_update_after_a_train_step_shows_in_the_next_generation(stack):
     assert _max_diff(after, _trainer_logprobs(stack, after)) < 1e-4  # the engine holds the trained weights
     stale = _trainer_logprobs(stack, before)  # old tokens, new weights: their logprobs moved
     assert _max_diff(before, stale) > 1e-3
+
+
+def test_a_weight_load_keeps_the_engine_paused(stack):
+    version = ray.get(stack["trainer"].weight_version.remote())
+    check_a_weight_load_keeps_a_pause(stack["engines"][0], stack["router"], stack["broadcaster"], version)
 
 
 def test_pause_keeps_requests_and_abort_cancels(stack):

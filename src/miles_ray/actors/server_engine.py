@@ -13,12 +13,15 @@ import asyncio
 import ray
 
 from miles_ray.actors.engine_actor import EngineActorBase
-from miles_ray.engines.requests import GenerateOutput, GenerateRequest
+from miles_ray.engines.requests import GenerateOutput, GenerateRequest, PauseMode, check_pause_mode
 from miles_ray.engines.server_process import ServerProcess
 
 
 class ServerEngineActor(EngineActorBase):
-    """Base of engine actors whose engine is a server process (apply ``ray.remote`` via ``RolloutPool``)."""
+    """Base of engine actors whose engine is a server process (apply ``ray.remote`` via ``RolloutPool``).
+
+    Subclasses implement ``_pause`` and ``_resume_server`` with the server's routes.
+    """
 
     kind = "server"
     in_flight_modes = ("continue",)  # the servers' abort/retract pauses are not mapped onto finish/abort_resume
@@ -33,6 +36,22 @@ class ServerEngineActor(EngineActorBase):
         self._outstanding = 0
         self._inflight: dict[str, asyncio.Task] = {}
         self._ready = None
+        self._user_paused = False  # by pause(), until resume(): a weight load leaves the server paused then
+
+    async def pause(self, mode: PauseMode = "abort") -> None:
+        """Pause generation (see ``EngineActorBase.pause``); it lasts until ``resume``, across weight loads."""
+        check_pause_mode(mode)
+        self._user_paused = True  # before the route: a load ending meanwhile must not continue the server
+        await self._pause(mode)
+
+    async def resume(self) -> None:
+        """Continue after ``pause``."""
+        self._user_paused = False
+        await self._resume_server()
+
+    async def _resume_server(self) -> None:
+        """Have the server continue (``resume``; a weight load's end unless the user paused it)."""
+        raise NotImplementedError
 
     async def _started(self) -> None:
         if self._ready is None:

@@ -92,14 +92,10 @@ class SGLangEngineActor(ServerEngineActor):
         self._paused = True  # before the route: a request sent meanwhile may be held already
         await self.server.post("/pause_generation", {"mode": mode})
 
-    async def _continue_server(self) -> None:
+    async def _resume_server(self) -> None:
         await self.server.post("/continue_generation", {})
         self._paused = False
         self._held.clear()  # released: SGLang schedules them, and aborts reach them again
-
-    async def resume(self) -> None:
-        """Continue after ``pause``."""
-        await self._continue_server()
 
     async def flush_cache(self) -> None:
         """Drop SGLang's radix (prefix) cache; it is also flushed after every weight load."""
@@ -242,7 +238,8 @@ class SGLangEngineActor(ServerEngineActor):
             await self.server.call("/update_weight_version", {"new_version": str(version), "abort_all_requests": False})
             self._version = version
         finally:
-            await self._continue_server()
+            if not self._user_paused:  # paused by the user before or during the load: it stays paused
+                await self._resume_server()
         self._checksum = None
         if verify:
             self._checksum = probe_checksum(await self.server.weight_rows(plan.names))

@@ -42,8 +42,7 @@ class VLLMEngineActor(ServerEngineActor):
         await self._started()  # `in_place` is vLLM's `keep`
         await self.server.post("/pause", params={"mode": "keep" if mode == "in_place" else "abort"})
 
-    async def resume(self) -> None:
-        """Continue after ``pause``."""
+    async def _resume_server(self) -> None:
         await self.server.post("/resume")
 
     async def flush_cache(self) -> None:
@@ -72,5 +71,6 @@ class VLLMEngineActor(ServerEngineActor):
             await self.server.post("/update_weight_version", {"new_version": str(version)})
         finally:
             self._pending = []
-            await self.server.post("/resume")
+            if not self._user_paused:  # paused by the user before or during the load: it stays paused
+                await self._resume_server()
         return {"engine_id": self.engine_id, "seconds": time.perf_counter() - start, "checksum": self._checksum}

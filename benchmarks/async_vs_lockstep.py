@@ -15,6 +15,12 @@ The speed-up async can give is bounded by how the lockstep step splits: rollout 
 by side, so at most step / max(rollout, train + sync) (the ``overlap_bound`` column, measured in the lockstep run).
 With several ``--seeds`` (the task's data order and the trainer's seed) each seed runs both modes; the last rows
 give each mode's mean reward with its spread over the seeds (min to max).
+
+Two rewards at equal samples: ``reward_mean``, the mean reward of the batches each mode trained on (async's were
+sampled one version behind, so its curve lags lockstep's by about one step by construction), and
+``final_reward``, the reward of the final weights, the same in both modes' engines, on ``--eval-prompts`` held-out
+prompts (one data seed for every run) x group size, sampled as in training: the policy each mode made from the
+same number of samples.
 """
 
 import argparse
@@ -48,6 +54,7 @@ p.add_argument("--in-flight", choices=["continue", "finish", "abort_resume"], de
 p.add_argument("--think", action="store_true", help="ask for reasoning before the answer: longer responses")
 p.add_argument("--seeds", type=int, nargs="+", default=[1], help="task data order and trainer seed, one run pair each")
 p.add_argument("--engine-dtype", choices=["auto", "float32", "bfloat16"], default="auto", help="as the quick-start")
+p.add_argument("--eval-prompts", type=int, default=32, help="final weights' reward on this many prompts (0: skip)")
 p.add_argument("--name", default="async_vs_lockstep", help="results: benchmarks/results/NAME.json and NAME.png")
 args = p.parse_args()
 
@@ -56,6 +63,7 @@ ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
 model_path = str(model_dir(args.model))
 tokenizer = AutoTokenizer.from_pretrained(model_path)
 sampling = SamplingParams(n=args.group_size, max_new_tokens=args.max_new_tokens, temperature=1.0)
+EVAL_SEED = 10_007  # the held-out prompts' data order: one for every run, none of the training seeds
 
 
 def stack(seed: int, max_staleness: int | None = None):
@@ -70,11 +78,23 @@ def stack(seed: int, max_staleness: int | None = None):
     )
     built = build_stack(config, placement.create(placement.disaggregated(1, 1)))
     ray.get(built.broadcaster.sync.remote(0))
+    return built, task_of(seed)
+
+
+def task_of(seed: int) -> ReasoningGymTask:
+    """The task with data order ``seed``."""
     task = one_digit_arithmetic(seed=seed)
     if args.think:  # responses of tens of tokens instead of a few: rollout takes a larger share of a step
         think = "Think step by step in a few sentences, then give the final number."
         task = task.model_copy(update={"system_prompt": "You are a careful math tutor.", "instruction": think})
-    return built, ReasoningGymTask(task, tokenizer)
+    return ReasoningGymTask(task, tokenizer)
+
+
+def final_reward(run) -> float | None:
+    """The engine's weights' (the trainer's last) mean reward on the held-out prompts; None with no eval prompts."""
+    if not args.eval_prompts:
+        return None
+    return rewards_of(generate_groups(run.router, task_of(EVAL_SEED), sampling, args.eval_prompts))
 
 
 def rewards_of(batch) -> float:
@@ -93,8 +113,10 @@ def run_lockstep(seed: int) -> dict:
         version = ray.get(run.trainer.train_step.remote(batch))["weight_version"]
         ray.get(run.broadcaster.sync.remote(version))
     seconds = time.perf_counter() - start
+    final = final_reward(run)
     run.shutdown()
-    return {"seconds": seconds, "curve": curve, "staleness_mean": 0.0, "dropped_stale": 0, "rollout_s": rollout_s}
+    result = {"seconds": seconds, "curve": curve, "staleness_mean": 0.0, "dropped_stale": 0, "rollout_s": rollout_s}
+    return result | {"final_reward": final}
 
 
 def run_async(seed: int) -> dict:
@@ -115,9 +137,11 @@ def run_async(seed: int) -> dict:
     seconds = time.perf_counter() - start
     ray.get(streamer.stop.remote())
     stats = ray.get(run.buffer.stats.remote())
+    final = final_reward(run)  # the rollout has stopped: the eval has the engine to itself, as in lockstep
     run.shutdown()
     staleness = sum(ages) / len(ages)
-    return {"seconds": seconds, "curve": curve, "staleness_mean": staleness, "dropped_stale": stats["dropped_stale"]}
+    result = {"seconds": seconds, "curve": curve, "staleness_mean": staleness, "dropped_stale": stats["dropped_stale"]}
+    return result | {"final_reward": final}
 
 
 samples = args.steps * args.prompts_per_step * args.group_size
@@ -147,6 +171,7 @@ def rows_of(seed: int, results: dict) -> list[dict]:
                 "reward_first_third": sum(r["curve"][:third]) / third,
                 "reward_last_third": sum(r["curve"][-third:]) / third,
                 "reward_mean": sum(r["curve"]) / len(r["curve"]),
+                "final_reward": r["final_reward"],
                 "staleness_mean": r["staleness_mean"],
                 "dropped_stale_groups": r["dropped_stale"],
                 "ahead_batches": args.ahead if mode == "async" else 0,
@@ -156,15 +181,20 @@ def rows_of(seed: int, results: dict) -> list[dict]:
 
 
 runs = {}
+partial = Path(f"benchmarks/results/{args.name}_runs.json")
+partial.parent.mkdir(parents=True, exist_ok=True)  # absent in a fresh clone until emit makes it
 for seed in args.seeds:  # each pair written as it completes: a late failure loses no run
     runs[seed] = {"lockstep": run_lockstep(seed), "async": run_async(seed)}
-    Path(f"benchmarks/results/{args.name}_runs.json").write_text(json.dumps(runs, indent=1))
+    partial.write_text(json.dumps(runs, indent=1))
 rows = [row for seed, results in runs.items() for row in rows_of(seed, results)]
 for mode in ("lockstep", "async"):  # the spread over seeds
     mine = [r for r in rows if r["mode"] == mode and r["seed"] != "all"]
     rewards = [r["reward_mean"] for r in mine]
     summary = {"seed": "all", "mode": mode, "samples": samples, "reward_mean": sum(rewards) / len(rewards)}
     summary |= {"reward_min": min(rewards), "reward_max": max(rewards)}
+    if args.eval_prompts:
+        finals = [r["final_reward"] for r in mine]
+        summary |= {"final_reward": sum(finals) / len(finals), "final_min": min(finals), "final_max": max(finals)}
     summary["samples_per_s"] = sum(r["samples_per_s"] for r in mine) / len(mine)
     if mode == "async":
         summary["of_bound"] = sum(r["of_bound"] for r in mine) / len(mine)
@@ -176,6 +206,12 @@ print(
     f"reward mean over seeds: lockstep {lock['reward_mean']:.3f} [{lock['reward_min']:.3f}, {lock['reward_max']:.3f}], "
     f"async {asy['reward_mean']:.3f} [{asy['reward_min']:.3f}, {asy['reward_max']:.3f}] at {samples} samples each"
 )
+if args.eval_prompts:
+    print(
+        f"final weights' reward ({args.eval_prompts} held-out prompts x {args.group_size}): lockstep "
+        f"{lock['final_reward']:.3f} [{lock['final_min']:.3f}, {lock['final_max']:.3f}], "
+        f"async {asy['final_reward']:.3f} [{asy['final_min']:.3f}, {asy['final_max']:.3f}]"
+    )
 
 import matplotlib  # noqa: E402
 

@@ -62,8 +62,8 @@ class BroadcastGroup:
     ) -> BroadcastGroup:
         """Join the group; rank 0 hosts the rendezvous store. Blocks until all ranks joined.
 
-        ``store``: rank 0's own from ``open_store`` (on ``port``); without it rank 0 binds ``port`` itself, which
-        SGLang's servers do not need but which can race with another process for the port.
+        ``store``: rank 0's own, from ``open_store`` (``port`` is then its port). Without one, rank 0 binds
+        ``port`` only as it joins, and a port chosen earlier can be taken meanwhile. Other ranks connect to ``port``.
 
         Raises:
             ValueError: for a collective other than gloo/nccl.

@@ -57,6 +57,9 @@ path = str(model_dir(args.model))
 class Peer:
     """One end of a raw gloo broadcast (the reference for the broadcast transport)."""
 
+    def __init__(self):
+        self.store = None  # rank 0: the rendezvous store it opened (host)
+
     def host(self) -> tuple[str, int]:
         """Rank 0: open the group's rendezvous store; its host and port."""
         from miles_ray.sync.broadcast import open_store
@@ -68,7 +71,7 @@ class Peer:
         """Join the two-rank gloo group (rank 0 on the store it opened)."""
         from miles_ray.sync.broadcast import BroadcastGroup
 
-        self.group = BroadcastGroup.create(host, port, rank, 2, "gloo", store=getattr(self, "store", None))
+        self.group = BroadcastGroup.create(host, port, rank, 2, "gloo", store=self.store)
 
     def run(self, bucket_sizes: list[int], repeats: int) -> float:
         """Best seconds of ``repeats`` broadcasts of every bucket (rank 0 sends, rank 1 receives)."""

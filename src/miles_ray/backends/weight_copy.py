@@ -71,6 +71,9 @@ class WeightCopy:
             for key in ("weight", "bias")
             if m._parameters.get(key) is not None and id(m._parameters[key]) in of
         ]
+        self._by_module: dict[torch.nn.Module, list[tuple]] = {}
+        for slot in self._slots:
+            self._by_module.setdefault(slot[0], []).append(slot)
         self._versions: list[int] | None = None
 
     def invalidate(self) -> None:
@@ -101,16 +104,41 @@ class WeightCopy:
 
     @contextlib.contextmanager
     def linear_weights(self):
-        """Inside: the ``nn.Linear`` layers compute with the copy; gradients reach the weights (in their dtype)."""
+        """Inside: the ``nn.Linear`` layers compute with the copy; gradients reach the weights (in their dtype).
+
+        Each layer reads its copy when it is called, not when the block opens: the autograd engine runs ready
+        nodes newest first, so a read node made at the block's start would run last in the backward, holding every
+        weight's gradient back to the end (DDP could reduce no bucket while the backward computes).
+        """
         self.refresh()
-        grad = torch.is_grad_enabled()
+        handles = []
         try:
-            for m, key, p, c in self._slots:
-                m._parameters[key] = _ReadCopy.apply(p, c) if grad and p.requires_grad else c
+            for m, slots in self._by_module.items():
+                handles.append(m.register_forward_pre_hook(self._read_copies(slots)))
+                handles.append(m.register_forward_hook(self._restore(slots)))
             yield
         finally:
+            for h in handles:
+                h.remove()
             for m, key, p, _ in self._slots:
                 m._parameters[key] = p
+
+    @staticmethod
+    def _read_copies(slots: list[tuple]):
+        def hook(module, args):
+            grad = torch.is_grad_enabled()
+            for _, key, p, c in slots:
+                module._parameters[key] = _ReadCopy.apply(p, c) if grad and p.requires_grad else c
+
+        return hook
+
+    @staticmethod
+    def _restore(slots: list[tuple]):
+        def hook(module, args, output):
+            for _, key, p, _c in slots:
+                module._parameters[key] = p
+
+        return hook
 
 
 __all__ = ["WeightCopy"]

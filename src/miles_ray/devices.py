@@ -51,6 +51,8 @@ def _glibc_keep_freed_memory() -> None:
     except OSError:  # not glibc
         return
     m_trim_threshold, m_mmap_max = -1, -4  # malloc.h
-    # mallopt takes an int: the largest trim threshold it accepts, and no mmap-served allocations at all
+    # no mmap-served allocations at all, and no trim: mallopt takes an int, which glibc reads as a size_t, so -1
+    # is SIZE_MAX. A finite threshold (2**31 - 1, the largest int, was used before) still trims whenever a step
+    # frees more than that at the heap's top, and the next step page-faults it all in again
     libc.mallopt(m_mmap_max, 0)
-    libc.mallopt(m_trim_threshold, 2**31 - 1)
+    libc.mallopt(m_trim_threshold, -1)

@@ -100,6 +100,9 @@ p.add_argument(
 )
 p.add_argument("--compile", action="store_true", help="torch backend: torch.compile the decoder layers")
 p.add_argument(
+    "--reserve-memory-gb", type=float, default=0.0, help="torch backend, CPU: GiB of heap each rank touches at start"
+)
+p.add_argument(
     "--tis-cap",
     type=float,
     default=2.0,
@@ -114,8 +117,8 @@ if (args.eval_data is None) != (args.eval_every == 0) or (args.eval_data and not
     p.error("--eval-data and --eval-every go together, with --data")
 if args.eval_data and args.best_metric not in eval_metrics:
     p.error(f"--best-metric must be one of {sorted(eval_metrics)}")
-if args.backend == "megatron" and (args.lora_rank or args.weight_format or args.compile):
-    p.error("--backend megatron takes no --lora-rank, --weight-format or --compile yet")
+if args.backend == "megatron" and (args.lora_rank or args.weight_format or args.compile or args.reserve_memory_gb):
+    p.error("--backend megatron takes no --lora-rank, --weight-format, --compile or --reserve-memory-gb yet")
 if args.mode == "sync":
     warnings.warn("--mode sync is deprecated: use --mode lockstep", DeprecationWarning, stacklevel=1)
     args.mode = "lockstep"
@@ -140,6 +143,7 @@ else:
     lora = {"rank": args.lora_rank, "alpha": 2 * args.lora_rank} if args.lora_rank else None
     backend = {"micro_batch_size": args.micro_batch_size, "autocast": "auto", "routing_replay": args.routing_replay}
     backend.update(weight_format=recipe, lora=lora, parallel=args.parallel, compile=args.compile)
+    backend["reserve_memory_gb"] = args.reserve_memory_gb
 trainer = {"model_path": model_path, "num_ranks": n, "optimizer": {"lr": args.lr}, "backend": backend}
 # engines and trainer differ a little (bf16, low-precision recipes, kernels): TIS weighs tokens by their capped ratio
 trainer["mismatch_correction"] = {"kind": "tis", "cap": args.tis_cap} if args.tis_cap else None

@@ -43,12 +43,19 @@ def configure_host(num_threads: int, tune_malloc: bool) -> None:
         _glibc_keep_freed_memory()
 
 
-def _glibc_keep_freed_memory() -> None:
+def _glibc():
+    """The C library through ctypes if it is glibc, else None."""
     import ctypes
 
     try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:  # not glibc
+        return ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
+
+
+def _glibc_keep_freed_memory() -> None:
+    libc = _glibc()
+    if libc is None:
         return
     m_trim_threshold, m_mmap_max = -1, -4  # malloc.h
     # no mmap-served allocations at all, and no trim: mallopt takes an int, which glibc reads as a size_t, so -1
@@ -69,9 +76,8 @@ def reserve_heap(gib: float) -> bool:
     """
     import ctypes
 
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
+    libc = _glibc()
+    if libc is None:
         return False
     libc.malloc.restype = ctypes.c_void_p
     nbytes = int(gib * 2**30)

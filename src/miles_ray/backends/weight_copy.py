@@ -64,16 +64,13 @@ class WeightCopy:
             self._flat = None
             self.copies = [torch.empty(p.shape, dtype=dtype, device=p.device) for p in self.params]
         of = {id(p): c for p, c in zip(self.params, self.copies)}
-        self._slots = [
-            (m, key, m._parameters[key], of[id(m._parameters[key])])
-            for m in module.modules()
-            if type(m) is torch.nn.Linear
-            for key in ("weight", "bias")
-            if m._parameters.get(key) is not None and id(m._parameters[key]) in of
-        ]
-        self._by_module: dict[torch.nn.Module, list[tuple]] = {}
-        for slot in self._slots:
-            self._by_module.setdefault(slot[0], []).append(slot)
+        self._slots: dict[torch.nn.Module, list[tuple[str, torch.nn.Parameter, torch.Tensor]]] = {}
+        for m in module.modules():
+            if type(m) is torch.nn.Linear:
+                for key in ("weight", "bias"):
+                    p = m._parameters.get(key)
+                    if p is not None and id(p) in of:
+                        self._slots.setdefault(m, []).append((key, p, of[id(p)]))
         self._versions: list[int] | None = None
 
     def invalidate(self) -> None:
@@ -113,32 +110,28 @@ class WeightCopy:
         self.refresh()
         handles = []
         try:
-            for m, slots in self._by_module.items():
-                handles.append(m.register_forward_pre_hook(self._read_copies(slots)))
-                handles.append(m.register_forward_hook(self._restore(slots)))
+            for m, slots in self._slots.items():
+                handles.append(m.register_forward_pre_hook(lambda module, args, slots=slots: _read(module, slots)))
+                handles.append(m.register_forward_hook(lambda module, args, out, slots=slots: _put_back(module, slots)))
             yield
         finally:
             for h in handles:
                 h.remove()
-            for m, key, p, _ in self._slots:
-                m._parameters[key] = p
+            for m, slots in self._slots.items():  # also where a forward raised before its post-hook
+                _put_back(m, slots)
 
-    @staticmethod
-    def _read_copies(slots: list[tuple]):
-        def hook(module, args):
-            grad = torch.is_grad_enabled()
-            for _, key, p, c in slots:
-                module._parameters[key] = _ReadCopy.apply(p, c) if grad and p.requires_grad else c
 
-        return hook
+def _read(module: torch.nn.Module, slots: list[tuple[str, torch.nn.Parameter, torch.Tensor]]) -> None:
+    """The module's weights read from their copies (through ``_ReadCopy`` where a gradient is wanted)."""
+    grad = torch.is_grad_enabled()
+    for key, p, c in slots:
+        module._parameters[key] = _ReadCopy.apply(p, c) if grad and p.requires_grad else c
 
-    @staticmethod
-    def _restore(slots: list[tuple]):
-        def hook(module, args, output):
-            for _, key, p, _c in slots:
-                module._parameters[key] = p
 
-        return hook
+def _put_back(module: torch.nn.Module, slots: list[tuple[str, torch.nn.Parameter, torch.Tensor]]) -> None:
+    """The module's own parameters back in place of the reads."""
+    for key, p, _ in slots:
+        module._parameters[key] = p
 
 
 __all__ = ["WeightCopy"]

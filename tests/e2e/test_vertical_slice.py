@@ -254,4 +254,13 @@ def test_bf16_engines_get_bf16_weights_and_verify(make_placement, tiny_model_pat
     after = ray.get(stack.broadcaster.sync.remote(version))
     assert after["checksum"] != report["checksum"]
     assert ray.get([e.weights_checksum.remote() for e in stack.engines]) == [after["checksum"]] * n
+    # verify="sampled": the engines' own sampled re-read equals what was sent; the window moves with the version
+    sampled = WeightBroadcaster.remote(
+        WeightBroadcasterConfig(transport=transport, verify="sampled", bucket_bytes=1 << 20), workers, stack.engines
+    )
+    for v in (version, version + 1):
+        got = ray.get(sampled.sync.remote(v))["checksum"]
+        assert ray.get([e.weights_checksum.remote(sample=v) for e in stack.engines]) == [got] * n
+        assert got != after["checksum"]  # not the digest of every byte
+    assert ray.get(stack.engines[0].weights_checksum.remote(sample=version)) != got  # another window
     stack.shutdown()

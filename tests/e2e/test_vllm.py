@@ -114,6 +114,16 @@ def test_weight_update_after_a_train_step_shows_in_the_next_generation(stack):
     assert _max_diff(before, stale) > 1e-3
 
 
+def test_a_sampled_verify_is_refused_with_vllm_engines(stack):
+    from miles_ray.actors.weight_broadcaster import WeightBroadcaster, WeightBroadcasterConfig
+
+    workers = ray.get(stack["trainer"].workers.remote())
+    config = WeightBroadcasterConfig(transport="shared_memory", verify="sampled")
+    sampled = WeightBroadcaster.remote(config, workers, stack["engines"])  # vLLM's server hashes every byte itself
+    with pytest.raises(ray.exceptions.RayActorError, match=r"verify='sampled' needs .* engines \[0\] hash every"):
+        ray.get(sampled.last_report.remote())
+
+
 def test_a_weight_load_keeps_the_engine_paused(stack):
     version = ray.get(stack["trainer"].weight_version.remote())
     check_a_weight_load_keeps_a_pause(stack["engines"][0], stack["router"], stack["broadcaster"], version)

@@ -35,6 +35,7 @@ class EmbeddedEngineActor(EngineActorBase):
     """One embedded engine as an async actor (apply ``ray.remote`` via ``RolloutPool``)."""
 
     kind = "embedded"
+    samples_checksum = True  # hashes its parameters itself (``engines.embedded``)
 
     def __init__(self, engine_id: int, config: EmbeddedEngineConfig, served_model_name: str = DEFAULT_MODEL_NAME):
         self.engine_id = engine_id
@@ -156,14 +157,16 @@ class EmbeddedEngineActor(EngineActorBase):
         """The dtype the engine computes in (``auto`` resolved on this engine's device)."""
         return str(self.engine.dtype).removeprefix("torch.")
 
-    async def weights_checksum(self) -> str:
-        """Checksum of the loaded weights."""
-        return await asyncio.to_thread(self.engine.weights_checksum)
+    async def weights_checksum(self, sample: int | None = None) -> str:
+        """Checksum of the loaded weights, read again (``sample``: the sampled digest, ``sync.digest``)."""
+        return await asyncio.to_thread(self.engine.weights_checksum, None, None, sample)
 
     def _apply(self, named_tensors: list[tuple[str, torch.Tensor]], alias: bool = False) -> None:
         self.engine.update_weights(named_tensors, alias=alias)
 
-    async def _load(self, run, plan: SyncPlan, version: int, verify: bool, in_flight: InFlight, known=None) -> dict:
+    async def _load(
+        self, run, plan: SyncPlan, version: int, verify: bool, in_flight: InFlight, known=None, sample=None
+    ) -> dict:
         # no decode step may see half-updated weights: the engine is paused around the load. Requests in
         # flight: `continue` keeps them in their slots and they go on with the new weights; `finish` admits no
         # new request and waits until the running ones are done on the old weights; `abort_resume` aborts them
@@ -193,5 +196,5 @@ class EmbeddedEngineActor(EngineActorBase):
         # an adapter sync is verified on the adapter tensors; the base weights never change. Parameters that view
         # the received buckets take the buckets' digests (`known`); the rest are read again here
         names = plan.names if plan.adapter is not None else None
-        checksum = await asyncio.to_thread(self.engine.weights_checksum, names, known) if verify else None
+        checksum = await asyncio.to_thread(self.engine.weights_checksum, names, known, sample) if verify else None
         return {"engine_id": self.engine_id, "seconds": seconds, "checksum": checksum, "drain_seconds": drained - start}

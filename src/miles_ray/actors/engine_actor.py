@@ -10,12 +10,13 @@ caller                 methods
 Router                 ``generate``, ``health``
 RolloutPool            ``health`` (readiness, respawn), ``release_memory``, ``resume_memory``; ``start_http``
                        only on embedded engines (``RolloutPoolConfig.http``)
-WeightBroadcaster      ``takes_adapters``, ``takes_full_weights``, ``weights_dtype``, ``checksum_kind``, ``sync_ranks``,
-                       ``join_sync_group``, ``receive_broadcast``, ``load_buckets``, ``weight_version``
+WeightBroadcaster      ``takes_adapters``, ``takes_full_weights``, ``weights_dtype``, ``checksum_kind``,
+                       ``takes_sampled_verify``, ``sync_ranks``, ``join_sync_group``, ``receive_broadcast``,
+                       ``load_buckets`` (their reports carry the version loaded)
 miles_ray.fault        through the three above (respawn, replace, re-route)
 =====================  ===================================================================================
 
-``EngineControl`` is what drivers and tests use to steer one engine (pause, abort, cache, checksum).
+``EngineControl`` is what drivers and tests use to steer one engine (pause, abort, cache, checksum, version).
 ``EngineActorBase`` holds what every engine actor shares: the in-flight and pause-mode checks (``InFlight``,
 ``check_in_flight``, one validation for all), the capability answers, and the weight-sync receive path
 (buckets over the broadcast group or from the object store, applied inside the engine's ``_load``).
@@ -99,9 +100,21 @@ class EngineInterface(Protocol):
         ...
 
     async def receive_broadcast(
-        self, plan: SyncPlan, version: int, verify: bool = True, in_flight: InFlight = "continue"
+        self,
+        plan: SyncPlan,
+        version: int,
+        verify: bool = True,
+        in_flight: InFlight = "continue",
+        sample: int | None = None,
     ) -> dict:
-        """Receive and load every bucket of ``plan`` from group rank 0; ``{"engine_id", "seconds", "checksum"}``."""
+        """Receive and load every bucket of ``plan`` from group rank 0.
+
+        Returns ``{"engine_id", "seconds", "checksum", "version"}``; ``sample``: the checksum is sampled.
+        """
+        ...
+
+    async def takes_sampled_verify(self) -> bool:
+        """Whether the engine can take ``sample`` (a sampled checksum, ``sync.digest``) in a sync."""
         ...
 
     async def load_buckets(
@@ -112,12 +125,9 @@ class EngineInterface(Protocol):
         verify: bool = True,
         in_flight: InFlight = "continue",
         digests: dict[str, bytes] | None = None,
+        sample: int | None = None,
     ) -> dict:
         """Load a colocated sync's buckets (shared-memory handles or object refs); as ``receive_broadcast``."""
-        ...
-
-    async def weight_version(self) -> int:
-        """The version of the weights loaded."""
         ...
 
 
@@ -140,6 +150,10 @@ class EngineControl(Protocol):
         """Drop any prefix cache (computed with older weights)."""
         ...
 
+    async def weight_version(self) -> int:
+        """The version of the weights loaded."""
+        ...
+
     async def weights_checksum(self) -> str | None:
         """Checksum of the weights held (``checksum_kind``), comparable with the trainer's."""
         ...
@@ -159,6 +173,7 @@ class EngineActorBase:
     in_flight_modes: tuple[str, ...] = IN_FLIGHT_MODES  # what `in_flight` values this engine can honour
     accepts_adapters = True  # takes LoRA-only syncs (SyncPlan.adapter)
     accepts_full_weights = True  # takes syncs of every weight
+    samples_checksum = False  # can hash a sampled checksum of what it holds (``sync.digest``)
     _sync_group = None
     _receive_buffers: BucketBuffers | None = None  # where broadcast buckets land, two sets alternating
 
@@ -212,18 +227,36 @@ class EngineActorBase:
         self._sync_group = await asyncio.to_thread(BroadcastGroup.create, host, port, rank, world_size, collective)
 
     async def receive_broadcast(
-        self, plan: SyncPlan, version: int, verify: bool = True, in_flight: InFlight = "continue"
+        self,
+        plan: SyncPlan,
+        version: int,
+        verify: bool = True,
+        in_flight: InFlight = "continue",
+        sample: int | None = None,
     ) -> dict:
         """Receive every bucket of ``plan`` from group rank 0 and load it; then set ``version``.
 
         ``in_flight`` says what happens to requests generating meanwhile (``WeightBroadcasterConfig.in_flight``).
+        ``sample``: the checksum is the sampled digest with this sample (``sync.digest``; engines that
+        ``takes_sampled_verify``), None: every byte.
 
         Returns:
-            ``{"engine_id", "seconds", "checksum"}``; the checksum (of the weights now held) only if ``verify``.
+            ``{"engine_id", "seconds", "checksum", "version"}``; the checksum (of the weights now held) only if
+            ``verify``; the version the engine holds after the load.
 
         """
         check_in_flight(in_flight, self.in_flight_modes, self.kind)
-        return await self._receive_broadcast(plan, version, verify, in_flight)
+        self._check_sample(sample)
+        report = await self._receive_broadcast(plan, version, verify, in_flight, sample)
+        return {**report, "version": await self.weight_version()}
+
+    async def takes_sampled_verify(self) -> bool:
+        """Whether the engine can take ``sample`` (a sampled checksum, ``sync.digest``) in a sync."""
+        return self.samples_checksum
+
+    def _check_sample(self, sample: int | None) -> None:
+        if sample is not None and not self.samples_checksum:
+            raise ValueError(f"{self.kind} engines hash every byte: a sampled checksum (sample={sample}) is refused")
 
     async def load_buckets(
         self,
@@ -233,6 +266,7 @@ class EngineActorBase:
         verify: bool = True,
         in_flight: InFlight = "continue",
         digests: dict[str, bytes] | None = None,
+        sample: int | None = None,
     ) -> dict:
         """Load the buckets of a colocated sync; then set ``version``.
 
@@ -246,14 +280,18 @@ class EngineActorBase:
 
         """
         check_in_flight(in_flight, self.in_flight_modes, self.kind)
+        self._check_sample(sample)
         shared = all(isinstance(r, SharedBucket) for r in bucket_refs)
         if shared:
             flats = open_buckets(bucket_refs)
         else:
             flats, digests = [as_tensor(a, torch.uint8) for a in await asyncio.gather(*bucket_refs)], None  # mapped
-        return await self._load_flats(plan, flats, shared, version, verify, in_flight, digests)
+        report = await self._load_flats(plan, flats, shared, version, verify, in_flight, digests, sample)
+        return {**report, "version": await self.weight_version()}
 
-    async def _receive_broadcast(self, plan: SyncPlan, version: int, verify: bool, in_flight: InFlight) -> dict:
+    async def _receive_broadcast(
+        self, plan: SyncPlan, version: int, verify: bool, in_flight: InFlight, sample: int | None = None
+    ) -> dict:
         if self._sync_group is None:
             raise RuntimeError("receive_broadcast before join_sync_group")
         if self._receive_buffers is None:
@@ -262,17 +300,17 @@ class EngineActorBase:
 
         def receive() -> dict[str, bytes] | None:  # before pausing: generation goes on while the bytes arrive
             works = [self._sync_group.broadcast(flat, async_op=True) for flat in flats]  # received in order
-            digests = TensorDigests() if verify else None
+            digests = TensorDigests(sample) if verify else None
             for bucket, flat, work in zip(plan.buckets, flats, works):
                 work.wait()
                 if digests is not None:  # bucket i is hashed while bucket i + 1 arrives
-                    digests.add(unpack(bucket, flat.view(bucket.dtype)))
+                    digests.add_bucket(bucket, flat.view(bucket.dtype))
             return None if digests is None else digests.by_name()
 
         start = time.perf_counter()
         digests = await asyncio.to_thread(receive)
         received = time.perf_counter() - start
-        report = await self._load_flats(plan, flats, True, version, verify, in_flight, digests)
+        report = await self._load_flats(plan, flats, True, version, verify, in_flight, digests, sample)
         return {**report, "seconds": received + report["seconds"]}  # the bytes' arrival is the sync's transfer
 
     async def _load_flats(
@@ -284,11 +322,12 @@ class EngineActorBase:
         verify: bool,
         in_flight: InFlight,
         digests: dict[str, bytes] | None = None,
+        sample: int | None = None,
     ) -> dict:
         """Apply the received buckets (``uint8`` each) inside ``_load``.
 
         ``own``: the memory stays valid and unwritten until the next sync, so parameters may view it (no copy), and
-        those that do take their tensor's entry of ``digests`` when the engine verifies.
+        those that do take their tensor's entry of ``digests`` (taken with ``sample``) when the engine verifies.
         """
         named = [unpack(bucket, flat.view(bucket.dtype)) for bucket, flat in zip(plan.buckets, flats)]
         known = {n: Known(t, digests[n]) for b in named for n, t in b if n in digests} if own and digests else None
@@ -297,12 +336,19 @@ class EngineActorBase:
             for bucket_tensors in named:
                 self._apply(bucket_tensors, alias=own)
 
-        return await self._load(run, plan, version, verify, in_flight, known)
+        return await self._load(run, plan, version, verify, in_flight, known, sample)
 
     def _apply(self, named_tensors: list[tuple[str, torch.Tensor]], alias: bool = False) -> None:
         raise NotImplementedError
 
     async def _load(
-        self, run: Any, plan: SyncPlan, version: int, verify: bool, in_flight: InFlight, known: dict | None = None
+        self,
+        run: Any,
+        plan: SyncPlan,
+        version: int,
+        verify: bool,
+        in_flight: InFlight,
+        known: dict | None = None,
+        sample: int | None = None,
     ) -> dict:
         raise NotImplementedError

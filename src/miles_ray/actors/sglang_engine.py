@@ -156,7 +156,9 @@ class SGLangEngineActor(ServerEngineActor):
         await self.server.call("/init_weights_update_group", body)
         self._group_name = group_name(port)
 
-    async def _receive_broadcast(self, plan: SyncPlan, version: int, verify: bool, in_flight: str) -> dict:
+    async def _receive_broadcast(
+        self, plan: SyncPlan, version: int, verify: bool, in_flight: str, sample: int | None = None
+    ) -> dict:
         """The server receives every bucket of ``plan`` from group rank 0 and loads it; then ``version`` is set.
 
         Returns:
@@ -192,6 +194,7 @@ class SGLangEngineActor(ServerEngineActor):
         verify: bool,
         in_flight: str,
         digests: dict[str, bytes] | None = None,
+        sample: int | None = None,
     ) -> dict:
         """Load buckets (colocated sync) through ``/update_weights_from_tensor``.
 

@@ -35,10 +35,10 @@ from miles_ray.backends.torch_parallel import TorchBackendConfig
 from miles_ray.config import StrictConfig, kind_union
 from miles_ray.hooks import HookContext, Hooks, TrainerHooksConfig
 from miles_ray.placement.groups import Placement
-from miles_ray.sync.buckets import SyncPlan, unpack
+from miles_ray.sync.buckets import SyncPlan
 from miles_ray.sync.checksum import sent_checksums
 from miles_ray.sync.digest import TensorDigests
-from miles_ray.sync.shm import BucketBuffers, put_bucket
+from miles_ray.sync.shm import BucketBuffers, fill_buckets, put_bucket
 
 logger = logging.getLogger(__name__)
 
@@ -188,22 +188,25 @@ class TrainerWorker(Worker):
         self._sync_group = BroadcastGroup.create(store.host, store.port, 0, world_size, collective, store=store)
 
     def _gather(self, plan: SyncPlan, shared: bool | None = None):
-        """Collective: each bucket gathered on rank 0, into its buffer of ``_buffers(plan, shared)`` unless None.
+        """Collective: each bucket gathered on rank 0, as ``(bucket, flat, source)``.
 
-        Unless ``shared`` (engines map those buffers), a bucket the parameters already hold in its layout is
-        yielded as their memory (``bucket_in_place``: nothing packed; nothing writes it until the sync returns), and
-        buffers are made only if some bucket needs packing.
+        A bucket the parameters already hold in its layout (``bucket_in_place``) comes with their memory as
+        ``source``, and unless ``shared`` as ``flat`` too (nothing packed; nothing writes it until the sync returns).
+        ``shared`` (engines map the buffers and compute on them while the parameters change): ``flat`` is the
+        bucket's buffer of ``_buffers(plan, True)``, which the caller fills from ``source``. Other buckets are packed
+        into ``flat``, a buffer of ``_buffers(plan, shared)`` (made only if some bucket needs one) or a new tensor
+        where ``shared`` is None, with ``source`` None.
         """
         buffers = None
         for i, bucket in enumerate(plan.buckets):
-            view = None if shared else self.backend.bucket_in_place(bucket)
-            if view is not None:
-                yield bucket, view
-                continue
-            if buffers is None and shared is not None:
+            source = self.backend.bucket_in_place(bucket)
+            if buffers is None and shared is not None and (shared or source is None):
                 buffers = self._buffers(plan, shared)
+            if source is not None:
+                yield bucket, buffers[i].view(bucket.dtype) if shared else source, source
+                continue
             out = None if buffers is None else buffers[i].view(bucket.dtype)
-            yield bucket, self.backend.gather_bucket(bucket, bucket.dtype, out)
+            yield bucket, self.backend.gather_bucket(bucket, bucket.dtype, out), None
 
     def _buffers(self, plan: SyncPlan, shared: bool) -> list[torch.Tensor] | None:
         """Rank 0's persistent bucket buffers: shared ones alternate (engines compute on the last set)."""
@@ -213,20 +216,24 @@ class TrainerWorker(Worker):
             self._sync_buffers[shared] = BucketBuffers(shared=shared, alternate=shared)
         return self._sync_buffers[shared].next(plan)
 
-    def broadcast_weights(self, plan: SyncPlan, verify: bool, kinds: tuple[str, ...] = ("full",)) -> dict | None:
+    def broadcast_weights(
+        self, plan: SyncPlan, verify: bool, kinds: tuple[str, ...] = ("full",), sample: int | None = None
+    ) -> dict | None:
         """Collective: gather each bucket; rank 0 broadcasts it and returns the ``kinds`` checksums if ``verify``.
+
+        ``sample``: the ``full`` checksum reads every byte (None) or is sampled (``sync.digest``).
 
         Rank 0 queues each bucket's broadcast as soon as it is gathered (gloo's or NCCL's own thread sends them in
         order, so the wire never waits for this thread), then hashes it and gathers the next meanwhile; buckets are
         gathered into buffers kept from sync to sync, or sent from the parameters' memory (``_gather``).
         """
         sent, works = [], []
-        digests = TensorDigests() if verify and "full" in kinds else None
-        for bucket, flat in self._gather(plan, shared=False):
+        digests = TensorDigests(sample) if verify and "full" in kinds else None
+        for bucket, flat, _ in self._gather(plan, shared=False):
             if self.rank == 0:
                 works.append(self._sync_group.broadcast(flat.view(torch.uint8), async_op=True))  # SGLang's layout
                 if digests is not None:  # hashed while on the wire
-                    digests.add(unpack(bucket, flat))
+                    digests.add_bucket(bucket, flat)
                 sent.append(flat)
         for work in works:
             work.wait()
@@ -235,26 +242,31 @@ class TrainerWorker(Worker):
         checksums = sent_checksums(plan, sent, [k for k in kinds if k != "full"])
         return {**checksums, "full": digests.hexdigest()} if digests is not None else checksums
 
-    def share_weight_buckets(self, plan: SyncPlan, to_store: bool, verify: bool) -> dict | None:
+    def share_weight_buckets(
+        self, plan: SyncPlan, to_store: bool, verify: bool, sample: int | None = None
+    ) -> dict | None:
         """Collective: gather each bucket into rank 0's shared-memory buffers (colocated sync).
 
         Returns:
             On rank 0 ``{"shared": [SharedBucket], "refs": [ObjectRef] | None, "digests", "full"}``: the buffers'
             handles, for every engine on this node; object-store copies for the others (``to_store``); if
             ``verify``, the per-tensor digests (taken on a second thread, bucket i while bucket i + 1 is gathered)
-            and the ``full`` checksum they combine to. None on the other ranks. ``shared_checksums`` gives any
-            other checksum kind of what was sent.
+            and the ``full`` checksum they combine to (``sample``: sampled digests, ``sync.digest``). None on the
+            other ranks. ``shared_checksums`` gives any other checksum kind of what was sent.
 
         """
-        digests = TensorDigests() if verify and self.rank == 0 else None
-        flats, hashed = [], []
-        with ThreadPoolExecutor(1, thread_name_prefix="digest") as hasher:  # xxhash and copies release the GIL
-            for bucket, flat in self._gather(plan, shared=True):
+        digests = TensorDigests(sample) if verify and self.rank == 0 else None
+        flats, hashed, copies = [], [], []
+        with ThreadPoolExecutor(1, thread_name_prefix="digest") as helper:  # xxhash and copies release the GIL
+            for bucket, flat, source in self._gather(plan, shared=True):
                 flats.append(flat)
-                if digests is not None:
-                    hashed.append(hasher.submit(digests.add, unpack(bucket, flat)))
+                if source is not None:  # the parameters hold it in its layout: copied below, hashed as it is copied
+                    copies.append((bucket, source, flat))
+                elif digests is not None:  # packed: hashed on the helper while the next bucket is gathered
+                    hashed.append(helper.submit(digests.add_bucket, bucket, flat))
             for done in hashed:
                 done.result()  # re-raises a failed hash
+            fill_buckets(copies, digests, helper)
         if self.rank != 0:
             return None
         self._shared = (plan, flats)
@@ -273,7 +285,7 @@ class TrainerWorker(Worker):
 
     def put_weight_buckets(self, plan: SyncPlan) -> list | None:
         """Collective: gather each bucket; rank 0 puts it in the object store and returns the refs."""
-        refs = [put_bucket(flat) for _, flat in self._gather(plan) if self.rank == 0]
+        refs = [put_bucket(flat) for _, flat, _ in self._gather(plan) if self.rank == 0]
         return refs if self.rank == 0 else None
 
     def save(self, path: str) -> None:

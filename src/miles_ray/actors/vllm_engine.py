@@ -53,7 +53,9 @@ class VLLMEngineActor(ServerEngineActor):
     def _apply(self, named_tensors: list[tuple[str, torch.Tensor]], alias: bool = False) -> None:
         self._pending.extend(named_tensors)  # views into this sync's bucket buffers, alive until the load ends
 
-    async def _load(self, run, plan: SyncPlan, version: int, verify: bool, in_flight: str, known=None) -> dict:
+    async def _load(
+        self, run, plan: SyncPlan, version: int, verify: bool, in_flight: str, known=None, sample=None
+    ) -> dict:
         # `known` digests are of this actor's buffers; the server hashes the weights it loads itself
         if plan.adapter is not None:
             raise ValueError(

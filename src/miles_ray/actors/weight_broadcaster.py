@@ -8,7 +8,8 @@ Transports (one per module in ``miles_ray.sync``):
   its node map them and compute on them in place, engines on other nodes get object-store copies. For colocated
   placement. A respawned engine gets its first weights through the object store whatever the transport.
 
-Both verify with an XXH3-128 digest of every byte (``sync.digest``), so a check costs a fraction of moving the bytes.
+Both verify with an XXH3-128 digest of every byte (``sync.digest``), so a check costs a fraction of moving the bytes;
+``verify="sampled"`` reads 1/64 of them (every 4 KiB of every tensor on each sync, every byte within 64 syncs).
 
 A LoRA trainer (``TorchBackendConfig.lora``) plans adapter tensors only (``SyncPlan.adapter``): the engines add
 the adapters on the first sync and from then on receive a few MB per sync instead of the whole model.
@@ -59,7 +60,12 @@ class WeightBroadcasterConfig(StrictConfig):
         description="dtype the trainer casts to before sending. auto: the dtype every engine holds (half the bytes "
         "of float32 where they hold bfloat16), float32 where they differ or a server resolves its own.",
     )
-    verify: bool = Field(True, description="Compare engine checksums with the sent weights after every sync.")
+    verify: bool | Literal["sampled"] = Field(
+        True,
+        description="Compare engine checksums with the sent weights after every sync. True: a digest of every byte; "
+        "sampled: of every tensor's name, dtype, shape and one 64-byte window of every 4 KiB of its bytes, the window "
+        "moving with the version so 64 syncs cover every byte (embedded engines; 1/64 of the hashing); False: off.",
+    )
     in_flight: InFlight = Field(
         "continue",
         description="Requests generating during a sync: continue (kept in their slots, go on with the new weights), "
@@ -126,6 +132,13 @@ class WeightBroadcaster:
                 f"engines {refusing} serve LoRA adapters only (SGLangEngineConfig.lora is set), but the trainer syncs "
                 "full weights: set the trainer's backend.lora, or drop the engines' lora"
             )
+        sampling = ray.get([e.takes_sampled_verify.remote() for e in engines]) if config.verify == "sampled" else []
+        if refusing := [i for i, ok in enumerate(sampling) if not ok]:
+            raise ValueError(
+                f"verify='sampled' needs engines that hash what they hold themselves (embedded engines); engines "
+                f"{refusing} hash every byte (vLLM) or probe rows (SGLang): use verify=True or False with them"
+            )
+        self._verify = bool(config.verify)  # what engines and trainer ranks are told: check, or not
         self._kinds = self._checksum_kinds(self._engines)
         self._same_node: list[bool] | None = None  # per engine: on trainer rank 0's node (shared_memory transport)
         self._group_ready = False
@@ -166,14 +179,14 @@ class WeightBroadcaster:
 
         """
         start = time.perf_counter()
-        verify = self.config.verify
+        verify, sample = self._verify, self._sample(version)
         if self.config.transport == "broadcast":
             if not self._group_ready:
                 self._setup_group()
             kinds = tuple(sorted(set(self._kinds)))
-            sends = [w.broadcast_weights.remote(self._plan, verify, kinds) for w in self._workers]
+            sends = [w.broadcast_weights.remote(self._plan, verify, kinds, sample) for w in self._workers]
             mode = self.config.in_flight
-            recvs = [e.receive_broadcast.remote(self._plan, version, verify, mode) for e in self._engines]
+            recvs = [e.receive_broadcast.remote(self._plan, version, verify, mode, sample) for e in self._engines]
             sent_checksum = ray.get(sends)[0]
             loaded = ray.get(recvs)
             put_s = 0.0  # engines' receive time covers the trainer's gather and send
@@ -215,19 +228,25 @@ class WeightBroadcaster:
             self._same_node = [h["node_id"] == trainer for h in ray.get([e.health.remote() for e in self._engines])]
         start = time.perf_counter()
         c = self.config
-        hash_full = c.verify and "full" in self._kinds  # SGLang engines alone compare probe rows only
+        hash_full, sample = self._verify and "full" in self._kinds, self._sample(version)  # SGLang: probe rows only
         to_store = not all(self._same_node)
-        sends = [w.share_weight_buckets.remote(self._plan, to_store, hash_full) for w in self._workers]
+        sends = [w.share_weight_buckets.remote(self._plan, to_store, hash_full, sample) for w in self._workers]
         out = [r for r in ray.get(sends) if r][0]
         put_s = time.perf_counter() - start  # with the digest, taken while gathering
         loads = [
-            e.load_buckets.remote(self._plan, out["shared"], version, c.verify, c.in_flight, out.get("digests"))
-            if same
-            else e.load_buckets.remote(self._plan, out["refs"], version, c.verify, c.in_flight)
+            e.load_buckets.remote(
+                self._plan,
+                out["shared"] if same else out["refs"],
+                version,
+                self._verify,
+                c.in_flight,
+                digests=out.get("digests") if same else None,
+                sample=sample,
+            )
             for e, same in zip(self._engines, self._same_node)
         ]
         sent = None
-        if c.verify:  # other kinds are hashed while the engines load
+        if self._verify:  # other kinds are hashed while the engines load
             other = tuple(sorted(set(self._kinds) - {"full"}))
             sent = {"full": out["full"]} if hash_full else {}
             sent |= ray.get(self._workers[0].shared_checksums.remote(other)) if other else {}
@@ -244,18 +263,21 @@ class WeightBroadcaster:
         refs = [r for r in ray.get([w.put_weight_buckets.remote(self._plan) for w in self._workers]) if r][0]
         put_s = time.perf_counter() - start
         c = self.config
-        loads = [e.load_buckets.remote(self._plan, refs, version, c.verify, c.in_flight) for e in engines]
+        sample = self._sample(version)
+        loads = [
+            e.load_buckets.remote(self._plan, refs, version, self._verify, c.in_flight, sample=sample) for e in engines
+        ]
         # the object-store copies are the bytes the trainer sent: hash them here while engines load
-        sent_checksum = self._checksum_refs(refs, kinds) if self.config.verify else None
+        sent_checksum = self._checksum_refs(refs, kinds, sample) if self._verify else None
         loaded = ray.get(loads)
         del refs  # the buckets leave the object store once engines are done
         return put_s, sent_checksum, loaded
 
     def _check(self, engines: list, kinds: list[str], loaded: list[dict], version: int, sent_checksum: dict | None):
-        versions = ray.get([e.weight_version.remote() for e in engines])
+        versions = [r["version"] for r in loaded]  # each engine's, read as its load ended
         if any(v != version for v in versions):
             raise WeightSyncError(f"engines hold versions {versions} after syncing version {version}")
-        if self.config.verify:
+        if self._verify:
             pairs = [(r["engine_id"], r["checksum"], sent_checksum[k]) for r, k in zip(loaded, kinds)]
             bad = [(engine, held, sent) for engine, held, sent in pairs if held != sent]
             if bad:
@@ -311,9 +333,14 @@ class WeightBroadcaster:
         self._group_ready = False
         self._same_node = None
 
-    def _checksum_refs(self, refs: list, kinds: list[str]) -> dict[str, str]:
+    def _checksum_refs(self, refs: list, kinds: list[str], sample: int | None) -> dict[str, str]:
         arrays = ray.get(refs)
-        return sent_checksums(self._plan, [as_tensor(a, b.dtype) for b, a in zip(self._plan.buckets, arrays)], kinds)
+        flats = [as_tensor(a, b.dtype) for b, a in zip(self._plan.buckets, arrays)]
+        return sent_checksums(self._plan, flats, kinds, sample)
+
+    def _sample(self, version: int) -> int | None:
+        """The sampled digest's sample for syncing ``version`` (it moves the window each sync); None: every byte."""
+        return version if self.config.verify == "sampled" else None
 
     def last_report(self) -> dict:
         """The report of the most recent sync."""

@@ -233,18 +233,23 @@ class EmbeddedEngine:
         """The version of the loaded weights."""
         return self._version
 
-    def weights_checksum(self, names: Collection[str] | None = None, known: Mapping[str, Known] | None = None) -> str:
+    def weights_checksum(
+        self,
+        names: Collection[str] | None = None,
+        known: Mapping[str, Known] | None = None,
+        sample: int | None = None,
+    ) -> str:
         """Checksum over the HF-named parameters (tied weights counted once), or only those in ``names``.
 
         ``known``: digests of received tensors by name; a parameter that views exactly that tensor takes its digest
-        instead of being read again (``sync.digest``).
+        instead of being read again (``sync.digest``). ``sample``: the sampled digest (``sync.digest``).
         """
         with self._lock:
             params = self.model.named_parameters()
             if names is not None:
                 wanted = set(names)
                 params = ((n, p) for n, p in params if n in wanted)
-            return TensorDigests().add(params, known).hexdigest()
+            return TensorDigests(sample).add(params, known).hexdigest()
 
     def install_adapter(self, spec: AdapterSpec) -> bool:
         """Give the model LoRA adapters of ``spec`` (zero, so outputs are unchanged) before the first adapter sync.

@@ -17,13 +17,14 @@ from miles_ray.sync.buckets import SyncPlan, unpack
 from miles_ray.sync.digest import named_tensors_checksum
 
 
-def buckets_checksum(plan: SyncPlan, flats: Iterable[torch.Tensor]) -> str:
+def buckets_checksum(plan: SyncPlan, flats: Iterable[torch.Tensor], sample: int | None = None) -> str:
     """Checksum of the tensors packed in a sync's flat bucket buffers (one flat per ``plan`` bucket, in order).
 
-    Equals ``named_tensors_checksum`` of the unpacked tensors, so a sender hashing its buckets and an engine
-    hashing the parameters it loaded from them agree.
+    Equals ``named_tensors_checksum`` of the unpacked tensors (``sample``: sampled, ``sync.digest``), so a sender
+    hashing its buckets and an engine hashing the parameters it loaded from them agree.
     """
-    return named_tensors_checksum(t for bucket, flat in zip(plan.buckets, flats) for t in unpack(bucket, flat))
+    named = (t for bucket, flat in zip(plan.buckets, flats) for t in unpack(bucket, flat))
+    return named_tensors_checksum(named, sample)
 
 
 def probe_rows(named_tensors: Iterable[tuple[str, torch.Tensor]], num_values: int = 16) -> dict[str, list[float]]:
@@ -44,12 +45,14 @@ def probe_checksum(rows: dict[str, list[float]]) -> str:
     return h.hexdigest()
 
 
-def sent_checksums(plan: SyncPlan, flats: list[torch.Tensor], kinds: Iterable[str]) -> dict[str, str]:
-    """The checksums of one sync's buckets that engines asked for: ``full`` (every byte) and/or ``probe``."""
+def sent_checksums(
+    plan: SyncPlan, flats: list[torch.Tensor], kinds: Iterable[str], sample: int | None = None
+) -> dict[str, str]:
+    """The checksums of one sync's buckets engines asked for: ``full`` (every byte, or sampled) and/or ``probe``."""
     out = {}
     for kind in set(kinds):
         if kind == "full":
-            out[kind] = buckets_checksum(plan, flats)
+            out[kind] = buckets_checksum(plan, flats, sample)
         elif kind == "probe":
             out[kind] = probe_checksum(probe_rows(t for b, f in zip(plan.buckets, flats) for t in unpack(b, f)))
         else:

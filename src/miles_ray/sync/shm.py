@@ -34,6 +34,7 @@ import uuid
 import warnings
 import weakref
 from collections import deque
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -41,7 +42,8 @@ import numpy as np
 import torch
 import torch.multiprocessing
 
-from miles_ray.sync.buckets import SyncPlan
+from miles_ray.sync.buckets import Bucket, SyncPlan
+from miles_ray.sync.digest import TensorDigests, copy_with_digest
 
 if TYPE_CHECKING:
     import ray
@@ -144,6 +146,59 @@ class BucketBuffers:
         if not self.shared:
             raise ValueError("handles() of private buffers: only BucketBuffers(shared=True) can be opened elsewhere")
         return list(self._handles[self._last])
+
+
+def fill_buckets(
+    copies: list[tuple[Bucket, torch.Tensor, torch.Tensor]], digests: TensorDigests | None, helper: Executor
+) -> None:
+    """Copy ``(bucket, source, buffer)`` triples, half the bytes on this thread and half on ``helper``.
+
+    ``source`` is the bucket's tensors' memory in its layout (``bucket_in_place``), ``buffer`` the bucket's buffer
+    (in its dtype). With ``digests`` of every byte, each tensor is hashed as it is copied, piece by piece while the
+    piece is in cache (``copy_with_digest``): two passes over the bytes instead of three. Otherwise each thread
+    copies its half of each bucket in one call (few calls: the two threads seldom wait for each other's turn with
+    the interpreter), and a sampled digest (``digests.sample``) reads its 1/64 of the buffers afterwards.
+    """
+    if digests is not None and digests.sample is None:
+        _fill_hashing(copies, digests, helper)
+        return
+
+    def half(second: bool) -> None:
+        for _, source, buffer in copies:
+            cut = source.numel() // 2
+            part = slice(cut, None) if second else slice(0, cut)
+            buffer[part].copy_(source[part])
+
+    rest = helper.submit(half, True)
+    half(False)
+    rest.result()
+    for bucket, _, buffer in copies if digests is not None else ():
+        digests.add_bucket(bucket, buffer)
+
+
+def _fill_hashing(
+    copies: list[tuple[Bucket, torch.Tensor, torch.Tensor]], digests: TensorDigests, helper: Executor
+) -> None:
+    """``fill_buckets`` with a digest of every byte: tensor by tensor, the first half of the bytes on this thread."""
+    pieces = [(m, source, buffer) for bucket, source, buffer in copies for m in bucket.tensors]
+    sizes = [m.numel * source.element_size() for m, source, _ in pieces]
+    cut, done, total = len(pieces), 0, sum(sizes)
+    for i, n in enumerate(sizes):
+        if 2 * done >= total:
+            cut = i
+            break
+        done += n
+
+    def run(part: list) -> list[tuple[str, torch.Tensor, bytes]]:
+        taken = []
+        for m, source, buffer in part:
+            src, dst = source[m.offset : m.offset + m.numel], buffer[m.offset : m.offset + m.numel].view(m.shape)
+            taken.append((m.name, dst, copy_with_digest(m.name, dst, src)))
+        return taken
+
+    rest = helper.submit(run, pieces[cut:])
+    for name, t, d in run(pieces[:cut]) + rest.result():  # added here: TensorDigests is not thread-safe
+        digests.put(name, t, d)
 
 
 def put_bucket(flat: torch.Tensor) -> ray.ObjectRef:

@@ -29,11 +29,11 @@ def test_the_interface_lists_exactly_what_the_stack_calls():
         "takes_full_weights",
         "weights_dtype",
         "checksum_kind",
+        "takes_sampled_verify",
         "sync_ranks",
         "join_sync_group",
         "receive_broadcast",
         "load_buckets",
-        "weight_version",
     }
 
 

@@ -3,7 +3,16 @@ when the parameter *is* that memory."""
 
 import torch
 
-from miles_ray.sync.digest import Known, TensorDigests, digest, named_tensors_checksum
+from miles_ray.sync.digest import (
+    SAMPLE_BLOCK,
+    SAMPLE_PHASES,
+    SAMPLE_WIDTH,
+    Known,
+    TensorDigests,
+    copy_with_digest,
+    digest,
+    named_tensors_checksum,
+)
 
 W = {"a": torch.arange(6.0).reshape(2, 3), "b": torch.ones(4, dtype=torch.bfloat16)}
 
@@ -31,3 +40,40 @@ def test_a_known_digest_stands_for_the_same_memory_only():
 def test_tied_parameters_count_once_under_the_first_name():
     tied = {"embed": W["a"], "head": W["a"], "b": W["b"]}
     assert named_tensors_checksum(tied.items()) == named_tensors_checksum({"embed": W["a"], "b": W["b"]}.items())
+
+
+def test_copy_with_digest_copies_and_hashes_what_it_wrote():
+    src = torch.randn(3000, 7)  # 84 KB: many 1 KiB pieces and a partial last one
+    dst = torch.empty(3000, 7)
+    got = copy_with_digest("w", dst, src.view(-1), piece_bytes=1 << 10)
+    assert torch.equal(dst, src)
+    assert got == digest("w", src)
+
+
+def test_a_bucket_s_digests_equal_those_of_its_unpacked_tensors():
+    from miles_ray.sync.buckets import plan_buckets, unpack
+
+    specs = [("a", (300, 7), torch.bfloat16), ("b", (5,), torch.bfloat16), ("c", (2048, 3), torch.bfloat16)]
+    (bucket,) = plan_buckets(specs, 1 << 20).buckets
+    flat = torch.randn(bucket.numel).to(torch.bfloat16)
+    for sample in (None, 9):
+        by_bucket = TensorDigests(sample).add_bucket(bucket, flat).by_name()
+        assert by_bucket == TensorDigests(sample).add(unpack(bucket, flat)).by_name() and len(by_bucket) == 3
+
+
+def test_a_sampled_digest_reads_one_window_of_every_4_kib_that_moves_with_the_sample():
+    w = torch.randn(5 * SAMPLE_BLOCK // 4 + 3)  # 5 blocks of bytes and a 12-byte tail
+    full, sampled = digest("w", w), digest("w", w, sample=0)
+    assert sampled != full and digest("w", w, sample=SAMPLE_PHASES) == sampled  # the sample wraps around
+    for offset in (0, SAMPLE_WIDTH, 3 * SAMPLE_BLOCK + 100, 5 * SAMPLE_BLOCK + 4):  # bytes of blocks 0, 0, 3, the tail
+        changed = w.clone()
+        changed.view(torch.uint8)[offset] ^= 1
+        window = offset // SAMPLE_WIDTH % SAMPLE_PHASES
+        tail = offset >= 5 * SAMPLE_BLOCK
+        assert digest("w", changed) != full
+        # the sample whose window holds the byte sees it (the tail: every sample); the others do not
+        assert digest("w", changed, sample=window) != digest("w", w, sample=window)
+        other = (window + 1) % SAMPLE_PHASES
+        assert (digest("w", changed, sample=other) != digest("w", w, sample=other)) == tail
+    assert named_tensors_checksum({"v": w}.items(), sample=0) != named_tensors_checksum(W.items(), sample=0)
+    assert digest("v", w, sample=0) != sampled  # the name counts, as in every digest

@@ -96,3 +96,23 @@ def test_two_sets_alternate_and_are_kept():
     assert single.next(plan)[0].data_ptr() == single.next(plan)[0].data_ptr()
     with pytest.raises(ValueError, match="only BucketBuffers\\(shared=True\\)"):
         buffers.handles()
+
+
+@pytest.mark.parametrize("sample", [None, 3])
+def test_fill_buckets_copies_on_two_threads_and_digests_what_each_buffer_holds(sample):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from miles_ray.sync.buckets import unpack
+    from miles_ray.sync.digest import TensorDigests
+
+    specs = [("embed", (300, 64), torch.float32), ("a", (64, 64), torch.float32), ("b", (7,), torch.float32)]
+    plan = plan_buckets(specs, 40 << 10)  # the embedding alone in the first bucket: the halves are uneven
+    sources = [torch.randn(b.numel) for b in plan.buckets]
+    copies = [(b, src, torch.empty(b.numel)) for b, src in zip(plan.buckets, sources)]
+    digests = TensorDigests(sample)
+    with ThreadPoolExecutor(1) as helper:
+        shm.fill_buckets(copies, digests, helper)
+        shm.fill_buckets(copies, None, helper)  # unverified: copies only
+    assert all(torch.equal(buffer, src) for _, src, buffer in copies)
+    held = TensorDigests(sample).add(t for b, _, buffer in copies for t in unpack(b, buffer))
+    assert digests.by_name() == held.by_name() and len(held.by_name()) == 3

@@ -81,9 +81,12 @@ class TensorDigests:
                 self._digests[m.name] = _hash(m.name, flat.dtype, m.shape, data[start:end], self.sample)
         return self
 
-    def put(self, name: str, t: torch.Tensor, taken: bytes) -> TensorDigests:
-        """Add ``taken``, the digest of ``t`` under ``name`` computed elsewhere (``copy_with_digest``)."""
-        if self._first_name_of_memory(name, (t.data_ptr(), t.numel())):
+    def put(self, name: str, memory: tuple[int, int], taken: bytes) -> TensorDigests:
+        """Add ``taken``, a digest computed elsewhere (``copy_with_digests``) of the tensor ``name`` at ``memory``.
+
+        ``memory``: the tensor's address and number of elements (which tell a tied parameter).
+        """
+        if self._first_name_of_memory(name, memory):
             self._digests[name] = taken
         return self
 
@@ -155,20 +158,35 @@ def _head(name: str, dtype: torch.dtype, shape, sample: int | None) -> bytes:
     return f"{name}|{dtype}|{tuple(shape)}|{sampled}".encode()
 
 
-def copy_with_digest(name: str, dst: torch.Tensor, src: torch.Tensor, piece_bytes: int = 1 << 20) -> bytes:
-    """Copy ``src`` into ``dst`` (contiguous, same dtype and size, on CPU); return ``digest(name, dst)``.
+def copy_with_digests(
+    tensors: list[tuple[str, torch.dtype, tuple[int, ...], int, int]],
+    dst: torch.Tensor,
+    src: torch.Tensor,
+    chunk_bytes: int = 2 << 20,
+) -> list[bytes]:
+    """Copy the bytes ``tensors`` span from ``src`` into ``dst``; return each one's digest, as ``digest`` gives it.
 
-    The copy goes piece by piece and each piece is hashed right after it is written, while it is in the core's
-    cache: reading the bytes again from memory costs about half as much as the copy itself.
+    ``dst`` and ``src`` are 1-D ``uint8`` CPU tensors of one size; ``tensors`` are ``(name, dtype, shape, start,
+    end)`` byte ranges of them, in order. The copy goes ``chunk_bytes`` at a time and the tensors' bytes in a chunk
+    are hashed right after it is written, while it is in cache: reading the bytes again from memory costs about
+    half as much as the copy itself. One copy call per chunk and one hash update per tensor and chunk keep the
+    interpreter's share small (two threads share it).
     """
-    h = xxhash.xxh3_128(_head(name, dst.dtype, dst.shape, None))
-    out, step = dst.view(-1), max(1, piece_bytes // dst.element_size())
-    src = src.reshape(-1)
-    for start in range(0, out.numel(), step):
-        piece = out[start : start + step]
-        piece.copy_(src[start : start + step])
-        h.update(piece.view(torch.uint8).numpy())
-    return h.digest()
+    hashers = [xxhash.xxh3_128(_head(name, dtype, shape, None)) for name, dtype, shape, _, _ in tensors]
+    if not tensors:
+        return []
+    out, k = dst.numpy(), 0
+    first, last = tensors[0][3], tensors[-1][4]
+    for begin in range(first, last, chunk_bytes):
+        end = min(last, begin + chunk_bytes)
+        dst[begin:end].copy_(src[begin:end])
+        while k < len(tensors) and tensors[k][3] < end:  # the tensors this chunk holds bytes of
+            start, stop = tensors[k][3:]
+            hashers[k].update(out[max(start, begin) : min(stop, end)])
+            if stop > end:  # goes on in the next chunk
+                break
+            k += 1
+    return [h.digest() for h in hashers]
 
 
 def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:

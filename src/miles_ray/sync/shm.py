@@ -27,6 +27,7 @@ Usage (trainer rank 0, then an engine on the same node)::
 
 from __future__ import annotations
 
+import itertools
 import mmap
 import os
 import tempfile
@@ -43,7 +44,7 @@ import torch
 import torch.multiprocessing
 
 from miles_ray.sync.buckets import Bucket, SyncPlan
-from miles_ray.sync.digest import TensorDigests, copy_with_digest
+from miles_ray.sync.digest import TensorDigests, copy_with_digests
 
 if TYPE_CHECKING:
     import ray
@@ -154,8 +155,8 @@ def fill_buckets(
     """Copy ``(bucket, source, buffer)`` triples, half the bytes on this thread and half on ``helper``.
 
     ``source`` is the bucket's tensors' memory in its layout (``bucket_in_place``), ``buffer`` the bucket's buffer
-    (in its dtype). With ``digests`` of every byte, each tensor is hashed as it is copied, piece by piece while the
-    piece is in cache (``copy_with_digest``): two passes over the bytes instead of three. Otherwise each thread
+    (in its dtype). With ``digests`` of every byte, each tensor is hashed as it is copied, chunk by chunk while the
+    chunk is in cache (``copy_with_digests``): two passes over the bytes instead of three. Otherwise each thread
     copies its half of each bucket in one call (few calls: the two threads seldom wait for each other's turn with
     the interpreter), and a sampled digest (``digests.sample``) reads its 1/64 of the buffers afterwards.
     """
@@ -179,26 +180,29 @@ def fill_buckets(
 def _fill_hashing(
     copies: list[tuple[Bucket, torch.Tensor, torch.Tensor]], digests: TensorDigests, helper: Executor
 ) -> None:
-    """``fill_buckets`` with a digest of every byte: tensor by tensor, the first half of the bytes on this thread."""
-    pieces = [(m, source, buffer) for bucket, source, buffer in copies for m in bucket.tensors]
-    sizes = [m.numel * source.element_size() for m, source, _ in pieces]
-    cut, done, total = len(pieces), 0, sum(sizes)
-    for i, n in enumerate(sizes):
+    """``fill_buckets`` with a digest of every byte: the tensors holding the first half of the bytes on this thread."""
+    tensors = [(i, m) for i, (bucket, _, _) in enumerate(copies) for m in bucket.tensors]
+    sizes = [m.numel * copies[i][1].element_size() for i, m in tensors]
+    cut, done, total = len(tensors), 0, sum(sizes)
+    for k, n in enumerate(sizes):
         if 2 * done >= total:
-            cut = i
+            cut = k
             break
         done += n
 
-    def run(part: list) -> list[tuple[str, torch.Tensor, bytes]]:
+    def run(part: list) -> list[tuple[str, tuple[int, int], bytes]]:
         taken = []
-        for m, source, buffer in part:
-            src, dst = source[m.offset : m.offset + m.numel], buffer[m.offset : m.offset + m.numel].view(m.shape)
-            taken.append((m.name, dst, copy_with_digest(m.name, dst, src)))
+        for i, group in itertools.groupby(part, key=lambda x: x[0]):  # a bucket's tensors lie back to back
+            bucket, source, buffer = copies[i]
+            metas, size, base = [m for _, m in group], buffer.element_size(), buffer.data_ptr()
+            spans = [(m.name, bucket.dtype, m.shape, m.offset * size, (m.offset + m.numel) * size) for m in metas]
+            got = copy_with_digests(spans, buffer.view(torch.uint8), source.view(torch.uint8))
+            taken += [(m.name, (base + span[3], m.numel), d) for m, span, d in zip(metas, spans, got)]
         return taken
 
-    rest = helper.submit(run, pieces[cut:])
-    for name, t, d in run(pieces[:cut]) + rest.result():  # added here: TensorDigests is not thread-safe
-        digests.put(name, t, d)
+    rest = helper.submit(run, tensors[cut:])
+    for name, memory, d in run(tensors[:cut]) + rest.result():  # added here: TensorDigests is not thread-safe
+        digests.put(name, memory, d)
 
 
 def put_bucket(flat: torch.Tensor) -> ray.ObjectRef:

@@ -9,7 +9,7 @@ from miles_ray.sync.digest import (
     SAMPLE_WIDTH,
     Known,
     TensorDigests,
-    copy_with_digest,
+    copy_with_digests,
     digest,
     named_tensors_checksum,
 )
@@ -42,12 +42,22 @@ def test_tied_parameters_count_once_under_the_first_name():
     assert named_tensors_checksum(tied.items()) == named_tensors_checksum({"embed": W["a"], "b": W["b"]}.items())
 
 
-def test_copy_with_digest_copies_and_hashes_what_it_wrote():
-    src = torch.randn(3000, 7)  # 84 KB: many 1 KiB pieces and a partial last one
-    dst = torch.empty(3000, 7)
-    got = copy_with_digest("w", dst, src.view(-1), piece_bytes=1 << 10)
-    assert torch.equal(dst, src)
-    assert got == digest("w", src)
+def test_copy_with_digests_copies_and_hashes_what_it_wrote():
+    src = torch.randn(5000)
+    dst = torch.zeros(5000)
+    # byte ranges: one inside a chunk, one over several chunks, an empty one, one ending mid-chunk; 1 KiB chunks
+    shapes = {"a": (10,), "b": (700, 2), "e": (0,), "c": (99,)}
+    spans, at = [], 40
+    for name, shape in shapes.items():
+        n = torch.Size(shape).numel() * 4
+        spans.append((name, torch.float32, shape, at, at + n))
+        at += n
+    got = copy_with_digests(spans, dst.view(torch.uint8), src.view(torch.uint8), chunk_bytes=1 << 10)
+    assert torch.equal(dst[10 : at // 4], src[10 : at // 4]) and not dst[:10].any() and not dst[at // 4 :].any()
+    expected = [
+        digest(name, src.view(torch.uint8)[a:b].view(torch.float32).view(shape)) for name, _, shape, a, b in spans
+    ]
+    assert got == expected
 
 
 def test_a_bucket_s_digests_equal_those_of_its_unpacked_tensors():

@@ -53,6 +53,13 @@ p.add_argument(
     action="store_true",
     help="no bf16 weight copy on the trainer: a bf16 sync casts the fp32 weights (the behaviour before it)",
 )
+p.add_argument(
+    "--verify",
+    nargs="+",
+    choices=["off", "full", "sampled"],
+    default=["off", "full", "sampled"],
+    help="verification modes to run (WeightBroadcasterConfig.verify False / True / 'sampled')",
+)
 args = p.parse_args()
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
@@ -154,7 +161,7 @@ references = {"shared_memory": Memcpy(nbytes), "broadcast": Gloo([b.nbytes for b
 labels = {"shared_memory": "memcpy (reference)", "broadcast": "raw gloo broadcast (reference)"}
 best_reference, rows = {}, []
 for transport in ["broadcast", "shared_memory"]:
-    for verify in [False, True, "sampled"]:
+    for verify in [{"off": False, "full": True, "sampled": "sampled"}[v] for v in args.verify]:
         r, reference_s = best_sync(transport, verify, references[transport])
         best_reference[transport] = min(best_reference.get(transport, reference_s), reference_s)
         row = {"transport": transport, "verify": verify, "seconds": r["seconds"], "reference_seconds": reference_s}

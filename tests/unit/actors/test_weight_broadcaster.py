@@ -1,4 +1,5 @@
-"""What a weight sync sends: the engines' own dtype under ``engine_dtype="auto"``, float32 where that is unsure."""
+"""What a weight sync sends: the engines' own dtype under ``engine_dtype="auto"``, float32 where that is unsure; how it
+is verified."""
 
 import pytest
 
@@ -18,3 +19,11 @@ def test_auto_falls_back_to_float32_where_engines_differ_or_do_not_say(held):
 
 def test_an_explicit_dtype_wins():
     assert sent_dtype("float16", ["bfloat16"]) == "float16"
+
+
+def test_verify_is_every_byte_by_default_sampled_on_request_and_nothing_else():
+    assert WeightBroadcasterConfig().verify is True
+    assert WeightBroadcasterConfig(verify="sampled").verify == "sampled"
+    assert WeightBroadcasterConfig(verify=False).verify is False
+    with pytest.raises(ValueError, match="verify"):
+        WeightBroadcasterConfig(verify="some")

@@ -256,7 +256,10 @@ class EngineActorBase:
 
     def _check_sample(self, sample: int | None) -> None:
         if sample is not None and not self.samples_checksum:
-            raise ValueError(f"{self.kind} engines hash every byte: a sampled checksum (sample={sample}) is refused")
+            raise ValueError(
+                f"{self.kind} engines cannot take a sampled checksum (sample={sample}): verify every byte instead "
+                "(WeightBroadcasterConfig.verify=True)"
+            )
 
     async def load_buckets(
         self,

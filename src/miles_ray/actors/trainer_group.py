@@ -250,9 +250,10 @@ class TrainerWorker(Worker):
         Returns:
             On rank 0 ``{"shared": [SharedBucket], "refs": [ObjectRef] | None, "digests", "full"}``: the buffers'
             handles, for every engine on this node; object-store copies for the others (``to_store``); if
-            ``verify``, the per-tensor digests (taken on a second thread, bucket i while bucket i + 1 is gathered)
-            and the ``full`` checksum they combine to (``sample``: sampled digests, ``sync.digest``). None on the
-            other ranks. ``shared_checksums`` gives any other checksum kind of what was sent.
+            ``verify``, the per-tensor digests (of a bucket the parameters hold in its layout taken as it is copied,
+            ``fill_buckets``; of a packed one on a second thread while the next is gathered) and the ``full``
+            checksum they combine to (``sample``: sampled digests, ``sync.digest``). None on the other ranks.
+            ``shared_checksums`` gives any other checksum kind of what was sent.
 
         """
         digests = TensorDigests(sample) if verify and self.rank == 0 else None

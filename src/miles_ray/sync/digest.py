@@ -26,11 +26,14 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Mapping
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
 import xxhash
+
+if TYPE_CHECKING:  # for annotations only: this file runs where miles_ray is not installed
+    from miles_ray.sync.buckets import Bucket
 
 SAMPLE_BLOCK, SAMPLE_WIDTH = 4096, 64  # a sampled digest reads SAMPLE_WIDTH bytes of every SAMPLE_BLOCK
 SAMPLE_PHASES = SAMPLE_BLOCK // SAMPLE_WIDTH  # consecutive samples that cover every byte
@@ -66,7 +69,7 @@ class TensorDigests:
             self._digests[name] = got.digest if known_here else digest(name, t, self.sample)
         return self
 
-    def add_bucket(self, bucket, flat: torch.Tensor) -> TensorDigests:
+    def add_bucket(self, bucket: Bucket, flat: torch.Tensor) -> TensorDigests:
         """Hash each tensor a sync bucket packs (``sync.buckets.Bucket``) in ``flat``, its buffer in its dtype.
 
         Equals ``add(unpack(bucket, flat))``; on CPU it slices one NumPy view of the buffer instead of making a torch

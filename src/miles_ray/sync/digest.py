@@ -130,15 +130,18 @@ def digest(name: str, t: torch.Tensor, sample: int | None = None) -> bytes:
     if data.device.type == "cpu":
         return _hash(name, t.dtype, t.shape, data.numpy(), sample)
     if sample is not None:  # on the device: a GPU moves 1/64 of the bytes to the host
-        whole, at = _windows(data.numel(), sample)
-        data = torch.cat([data[:whole].view(-1, SAMPLE_BLOCK)[:, at : at + SAMPLE_WIDTH].reshape(-1), data[whole:]])
+        data = sampled_bytes(data, sample)
     return _hash(name, t.dtype, t.shape, data.cpu().numpy(), sample, sampled=True)
 
 
-def sampled_bytes(data: np.ndarray, sample: int) -> np.ndarray:
-    """The bytes a sampled digest reads of ``data`` (1-D ``uint8``): one window of every block, and the tail whole."""
-    whole, at = _windows(data.size, sample)
-    return np.concatenate([data[:whole].reshape(-1, SAMPLE_BLOCK)[:, at : at + SAMPLE_WIDTH].reshape(-1), data[whole:]])
+def sampled_bytes(data: torch.Tensor, sample: int) -> torch.Tensor:
+    """The bytes a sampled digest reads of ``data`` (1-D ``uint8``): one window of every block, and the tail whole.
+
+    Gathered where ``data`` is (a GPU's copy to the host is 1/64 of the tensor); on CPU ``_hash`` reads the same
+    bytes without gathering them.
+    """
+    whole, at = _windows(data.numel(), sample)
+    return torch.cat([data[:whole].view(-1, SAMPLE_BLOCK)[:, at : at + SAMPLE_WIDTH].reshape(-1), data[whole:]])
 
 
 def _windows(nbytes: int, sample: int) -> tuple[int, int]:
@@ -148,10 +151,13 @@ def _windows(nbytes: int, sample: int) -> tuple[int, int]:
 
 def _hash(name: str, dtype: torch.dtype, shape, data: np.ndarray, sample: int | None, sampled: bool = False) -> bytes:
     """The digest of a tensor's bytes ``data`` (``sampled``: already reduced to ``sampled_bytes``)."""
-    if sample is not None and not sampled:
-        data = sampled_bytes(data, sample)
     h = xxhash.xxh3_128(_head(name, dtype, shape, sample))
-    h.update(data)
+    if sample is None or sampled:
+        h.update(data)
+    else:  # the windows, then the tail: the digest of ``sampled_bytes`` without gathering them into one buffer
+        whole, at = _windows(data.size, sample)
+        h.update(np.ascontiguousarray(data[:whole].reshape(-1, SAMPLE_BLOCK)[:, at : at + SAMPLE_WIDTH]).reshape(-1))
+        h.update(data[whole:])
     return h.digest()
 
 

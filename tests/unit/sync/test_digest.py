@@ -87,3 +87,19 @@ def test_a_sampled_digest_reads_one_window_of_every_4_kib_that_moves_with_the_sa
         assert (digest("w", changed, sample=other) != digest("w", w, sample=other)) == tail
     assert named_tensors_checksum({"v": w}.items(), sample=0) != named_tensors_checksum(W.items(), sample=0)
     assert digest("v", w, sample=0) != sampled  # the name counts, as in every digest
+
+
+def test_the_cpu_sampled_digest_equals_the_digest_of_the_gathered_bytes_a_gpu_sends_to_the_host():
+    import xxhash
+
+    from miles_ray.sync.digest import _head, sampled_bytes
+
+    w = torch.randn(3 * SAMPLE_BLOCK // 4 + 5)  # 3 blocks and a 20-byte tail
+    data = w.view(torch.uint8)
+    for sample in (0, 7, SAMPLE_PHASES - 1):
+        gathered = sampled_bytes(data, sample)  # what digest() hashes for a tensor on a GPU
+        at = sample * SAMPLE_WIDTH
+        expected = [data[b * SAMPLE_BLOCK + at : b * SAMPLE_BLOCK + at + SAMPLE_WIDTH] for b in range(3)]
+        assert torch.equal(gathered, torch.cat([*expected, data[3 * SAMPLE_BLOCK :]]))
+        on_host = xxhash.xxh3_128(_head("w", w.dtype, w.shape, sample) + gathered.numpy().tobytes()).digest()
+        assert digest("w", w, sample=sample) == on_host

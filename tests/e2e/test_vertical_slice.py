@@ -227,6 +227,8 @@ def test_bf16_engines_get_bf16_weights_and_verify(make_placement, tiny_model_pat
 
     Two DDP ranks under bf16 autocast keep a bf16 weight copy (``backends.weight_copy``): their forwards read it, the
     sync sends it, and the step's optimizer rewrites it (a stale copy would send the weights of before the step again).
+    Shared memory hands the engines the copy itself (nothing copied): the steps between syncs write elsewhere, so
+    the engines keep computing on exactly what the last sync sent.
     """
     from miles_ray.actors.weight_broadcaster import WeightBroadcaster, WeightBroadcasterConfig
 
@@ -250,10 +252,15 @@ def test_bf16_engines_get_bf16_weights_and_verify(make_placement, tiny_model_pat
     )
     with pytest.raises(ray.exceptions.RayActorError, match="engine_dtype='float32' but engines"):
         ray.get(fp32.last_report.remote())
-    version = ray.get(stack.trainer.train_step.remote(synthetic_group(0)))["weight_version"]
-    after = ray.get(stack.broadcaster.sync.remote(version))
-    assert after["checksum"] != report["checksum"]
-    assert ray.get([e.weights_checksum.remote() for e in stack.engines]) == [after["checksum"]] * n
+    for step in range(3):  # the copy rotates through its three shared sets
+        version = ray.get(stack.trainer.train_step.remote(synthetic_group(step)))["weight_version"]
+        assert ray.get([e.weights_checksum.remote() for e in stack.engines]) == [report["checksum"]] * n  # as sent
+        after = ray.get(stack.broadcaster.sync.remote(version))
+        assert after["checksum"] != report["checksum"]
+        assert ray.get([e.weights_checksum.remote() for e in stack.engines]) == [after["checksum"]] * n
+        report = after
+    if transport == "shared_memory":  # rank 0 made no shared bucket buffers: engines got the copy, nothing copied
+        assert ray.get(workers[0].__ray_call__.remote(lambda w: True not in w._sync_buffers))
     # verify="sampled": the engines' own sampled re-read equals what was sent; the window moves with the version
     sampled = WeightBroadcaster.remote(
         WeightBroadcasterConfig(transport=transport, verify="sampled", bucket_bytes=1 << 20), workers, stack.engines

@@ -38,7 +38,7 @@ from miles_ray.placement.groups import Placement
 from miles_ray.sync.buckets import SyncPlan
 from miles_ray.sync.checksum import sent_checksums
 from miles_ray.sync.digest import TensorDigests
-from miles_ray.sync.shm import BucketBuffers, fill_buckets, put_bucket
+from miles_ray.sync.shm import BucketBuffers, fill_buckets, handle_of, hash_buckets, put_bucket, shared_buffer
 
 logger = logging.getLogger(__name__)
 
@@ -187,26 +187,35 @@ class TrainerWorker(Worker):
         store, self._sync_store = self._sync_store, None
         self._sync_group = BroadcastGroup.create(store.host, store.port, 0, world_size, collective, store=store)
 
-    def _gather(self, plan: SyncPlan, shared: bool | None = None):
+    def _gather(self, plan: SyncPlan, shared: bool | None = None, published: bool = False):
         """Collective: each bucket gathered on rank 0, as ``(bucket, flat, source)``.
 
-        A bucket the parameters already hold in its layout (``bucket_in_place``) comes with their memory as
-        ``source``, and unless ``shared`` as ``flat`` too (nothing packed; nothing writes it until the sync returns).
-        ``shared`` (engines map the buffers and compute on them while the parameters change): ``flat`` is the
-        bucket's buffer of ``_buffers(plan, True)``, which the caller fills from ``source``. Other buckets are packed
-        into ``flat``, a buffer of ``_buffers(plan, shared)`` (made only if some bucket needs one) or a new tensor
-        where ``shared`` is None, with ``source`` None.
+        A bucket the parameters already hold in its layout (``bucket_in_place``) comes with that memory as
+        ``source``, and as ``flat`` too (nothing packed; nothing writes it until the sync returns); unless ``shared``
+        (engines map the buffers and compute on them while the parameters change) and not ``published``
+        (``publish_in_place``: the memory stays unwritten while engines compute on it): then ``flat`` is the bucket's
+        buffer of ``_buffers(plan, True)``, which the caller fills from ``source``. Other buckets are packed into
+        ``flat``, a buffer of ``_buffers(plan, shared)`` (made only if some bucket needs one) or a new tensor where
+        ``shared`` is None, with ``source`` None.
         """
         buffers = None
         for i, bucket in enumerate(plan.buckets):
             source = self.backend.bucket_in_place(bucket)
-            if buffers is None and shared is not None and (shared or source is None):
+            if source is not None and (not shared or published):
+                yield bucket, source, source
+                continue
+            if buffers is None and shared is not None:
                 buffers = self._buffers(plan, shared)
             if source is not None:
-                yield bucket, buffers[i].view(bucket.dtype) if shared else source, source
+                yield bucket, buffers[i].view(bucket.dtype), source
                 continue
             out = None if buffers is None else buffers[i].view(bucket.dtype)
             yield bucket, self.backend.gather_bucket(bucket, bucket.dtype, out), None
+
+    def _publish(self, plan: SyncPlan) -> bool:
+        """Rank 0: whether engines may compute on the memory the plan's buckets lie in (``publish_in_place``)."""
+        dtypes = {bucket.dtype for bucket in plan.buckets}
+        return len(dtypes) == 1 and self.backend.publish_in_place(dtypes.pop(), lambda n: shared_buffer(n)[0])
 
     def _buffers(self, plan: SyncPlan, shared: bool) -> list[torch.Tensor] | None:
         """Rank 0's persistent bucket buffers: shared ones alternate (engines compute on the last set)."""
@@ -247,8 +256,11 @@ class TrainerWorker(Worker):
     ) -> dict | None:
         """Collective: gather each bucket into rank 0's shared-memory buffers (colocated sync).
 
+        Where the backend publishes the memory the buckets lie in (``publish_in_place``: a bf16 weight copy), engines
+        get that memory itself and nothing is copied.
+
         Returns:
-            On rank 0 ``{"shared": [SharedBucket], "refs": [ObjectRef] | None, "digests", "full"}``: the buffers'
+            On rank 0 ``{"shared": [SharedBucket], "refs": [ObjectRef] | None, "digests", "full"}``: the buckets'
             handles, for every engine on this node; object-store copies for the others (``to_store``); if
             ``verify``, the per-tensor digests (of a bucket the parameters hold in its layout taken as it is copied,
             ``fill_buckets``; of a packed one on a second thread while the next is gathered) and the ``full``
@@ -257,22 +269,27 @@ class TrainerWorker(Worker):
 
         """
         digests = TensorDigests(sample) if verify and self.rank == 0 else None
-        flats, hashed, copies = [], [], []
+        published = self.rank == 0 and self._publish(plan)
+        flats, hashed, copies, in_place = [], [], [], []
         with ThreadPoolExecutor(1, thread_name_prefix="digest") as helper:  # xxhash and copies release the GIL
-            for bucket, flat, source in self._gather(plan, shared=True):
+            for bucket, flat, source in self._gather(plan, shared=True, published=published):
                 flats.append(flat)
-                if source is not None:  # the parameters hold it in its layout: copied below, hashed as it is copied
+                if source is flat:  # published: engines map the parameters' copy itself; hashed below, two threads
+                    in_place.append((bucket, flat))
+                elif source is not None:  # the parameters hold it in its layout: copied below, hashed as it is copied
                     copies.append((bucket, source, flat))
                 elif digests is not None:  # packed: hashed on the helper while the next bucket is gathered
                     hashed.append(helper.submit(digests.add_bucket, bucket, flat))
             for done in hashed:
                 done.result()  # re-raises a failed hash
             fill_buckets(copies, digests, helper)
+            if digests is not None and in_place:
+                hash_buckets(in_place, digests, helper)
         if self.rank != 0:
             return None
         self._shared = (plan, flats)
         out = {
-            "shared": self._sync_buffers[True].handles(),
+            "shared": [handle_of(f) for f in flats],
             "refs": [put_bucket(f) for f in flats] if to_store else None,
         }
         if digests is not None:

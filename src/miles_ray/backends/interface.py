@@ -12,7 +12,7 @@ these primitives, the same for every backend::
     TrainBackend        LogprobModel + StepPrimitives + reference, route_counts(),
                         forward_backward(batches, temperature, loss_of, total_units) -> stats per micro-batch,
                         sync_plan(dtype, bucket_bytes), gather_bucket(bucket, dtype), bucket_in_place(bucket),
-                        hf_state(dtype)
+                        publish_in_place(dtype, make_buffer), hf_state(dtype)
     CriticBackend       StepPrimitives + micro_batches(batch), train(mode), forward_values(batch)
 
 Implementations: ``TorchBackend`` and ``MegatronBackend`` (``TrainBackend``), ``TorchCriticBackend``
@@ -154,6 +154,16 @@ class TrainBackend(LogprobModel, StepPrimitives, Protocol):
         Not a collective: it may return a tensor only where ``gather_bucket`` of the bucket is no collective either
         (every rank holds the whole parameters), since the other ranks still call ``gather_bucket``. The view is
         the parameters themselves: valid until the next optimizer step.
+        """
+        ...
+
+    def publish_in_place(self, dtype: torch.dtype, make_buffer: Callable[[int], torch.Tensor]) -> bool:
+        """Rank 0: whether engines may compute on the memory ``bucket_in_place`` views in ``dtype`` from now on.
+
+        If so, the backend writes it no sooner than after two more calls (a shared-memory sync hands engines those
+        buckets, copying nothing). ``make_buffer(nbytes)`` makes ``uint8`` memory engines can map, for the backend
+        to keep that memory in (a bf16 ``weight_copy`` moves there on the first call). False where the backend keeps
+        no such memory.
         """
         ...
 

@@ -24,6 +24,7 @@ Usage (inside a rank whose ``torch.distributed`` default group spans all trainer
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -502,6 +503,10 @@ class MegatronBackend(DataParallelOps):
     def bucket_in_place(self, bucket: Bucket) -> None:
         """None: Megatron's parameters are never in the HF layout (fused QKV, TP shards), so a sync packs them."""
         return None
+
+    def publish_in_place(self, dtype: torch.dtype, make_buffer: Callable[[int], torch.Tensor]) -> bool:
+        """False: no bucket is in place (``bucket_in_place``)."""
+        return False
 
     def hf_state(self, dtype: torch.dtype) -> tuple[dict[str, torch.Tensor] | None, None]:
         """Collective: the HF-named weights on rank 0 (a tied head once), None elsewhere; no adapters."""

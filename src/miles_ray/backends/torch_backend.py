@@ -16,6 +16,7 @@ Usage (inside a rank whose ``torch.distributed`` default group is initialised)::
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 import torch
 
@@ -211,6 +212,12 @@ class TorchBackend(PolicyModel):
     def bucket_in_place(self, bucket: Bucket) -> torch.Tensor | None:
         """The bucket as a view of the parameters' memory (``flat_params``) or of their ``weight_copy``, or None."""
         return bucket_view(bucket, self._sync_sources(bucket.dtype)) if self.rank == 0 else None
+
+    def publish_in_place(self, dtype: torch.dtype, make_buffer: Callable[[int], torch.Tensor]) -> bool:
+        """Rank 0 with a ``weight_copy`` in ``dtype``: publish it (``WeightCopy.publish``)."""
+        if self.rank != 0 or self.weight_copy is None or self.weight_copy.dtype != dtype:
+            return False
+        return self.weight_copy.publish(make_buffer)
 
     def _sync_sources(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """What a sync in ``dtype`` reads: the weight copy when it is in that dtype (no cast), else the weights."""

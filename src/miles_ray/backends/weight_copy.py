@@ -12,6 +12,9 @@ finds their weights already bf16 and casts nothing. The copy holds the values au
 backward does, so losses and gradients equal plain autocast exactly (``tests/unit/backends/test_weight_copy.py``).
 A sync to bf16 engines sends the copy as it lies (``bucket_view``) or copies from it, instead of casting.
 
+A shared-memory sync hands engines the copy itself (``publish``): from then on the copy lives in three shared
+buffers, and each write goes to one that no engine may still compute on, so the sync copies nothing.
+
 Only modules of exactly ``nn.Linear`` read the copy: subclasses (peft's LoRA layers, fake-quant layers) and
 everything else (embeddings, norms) compute as they did, and so does a recomputation under gradient checkpointing
 (it runs after the block; autocast casts there as before, to the same values). The copy costs 2 bytes per weight;
@@ -28,6 +31,7 @@ Usage::
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 import torch
 
@@ -58,20 +62,27 @@ class WeightCopy:
         base = flat_base(self.params)
         if base is not None:  # one buffer, one pass: the copies are views at the weights' own offsets
             self._flat = (base, torch.empty(base.numel(), dtype=dtype, device=base.device))
-            start = base.storage_offset()
-            self.copies = [self._flat[1][p.storage_offset() - start :][: p.numel()].view(p.shape) for p in self.params]
+            self.copies = self._views(self._flat[1])
         else:
             self._flat = None
             self.copies = [torch.empty(p.shape, dtype=dtype, device=p.device) for p in self.params]
-        of = {id(p): c for p, c in zip(self.params, self.copies)}
-        self._slots: dict[torch.nn.Module, list[tuple[str, torch.nn.Parameter, torch.Tensor]]] = {}
+        index = {id(p): i for i, p in enumerate(self.params)}
+        self._slots: dict[torch.nn.Module, list[tuple[str, torch.nn.Parameter, int]]] = {}  # (key, weight, copy index)
         for m in module.modules():
             if type(m) is torch.nn.Linear:
                 for key in ("weight", "bias"):
                     p = m._parameters.get(key)
-                    if p is not None and id(p) in of:
-                        self._slots.setdefault(m, []).append((key, p, of[id(p)]))
+                    if p is not None and id(p) in index:
+                        self._slots.setdefault(m, []).append((key, p, index[id(p)]))
         self._versions: list[int] | None = None
+        self._sets: list[torch.Tensor] = []  # published: the three buffers the copy moves between (``publish``)
+        self._current = 0  # the set the copy is in
+        self._published: list[int] = []  # the sets of the last two publications: engines may compute on them
+
+    def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Each weight's copy in ``flat`` (one buffer of the copies), at the weight's own offset."""
+        start = self._flat[0].storage_offset()
+        return [flat[p.storage_offset() - start :][: p.numel()].view(p.shape) for p in self.params]
 
     def invalidate(self) -> None:
         """Rewrite the copy before its next use (for writes the version counters miss, e.g. through ``.data``)."""
@@ -87,12 +98,38 @@ class WeightCopy:
         versions = [p._version for p in self.params]
         if versions == self._versions and not force:
             return
+        if self._current in self._published:  # engines may compute on it: write the free set
+            self._move(next(i for i in range(len(self._sets)) if i not in self._published))
         if self._flat is not None:
             self._flat[1].copy_(self._flat[0])
         else:
             for p, c in zip(self.params, self.copies):
                 c.copy_(p)
         self._versions = versions
+
+    def publish(self, make_buffer: Callable[[int], torch.Tensor]) -> bool:
+        """Keep the copy as it is now unwritten until this is called twice more (engines compute on it meanwhile).
+
+        The first call moves the copy into three buffers from ``make_buffer(nbytes)`` (``uint8``; shared memory, which
+        engines on the node map). A later write goes to the set published neither last (engines compute on it) nor
+        the time before (engines may view it until that sync has ended, which it has when this is called again: a
+        sync begins after the one before it ended). False where the copy is not one buffer on CPU.
+        """
+        if self._flat is None or self._flat[1].device.type != "cpu":
+            return False
+        self.refresh()
+        if not self._sets:
+            nbytes = self._flat[1].numel() * self._flat[1].element_size()
+            self._sets = [make_buffer(nbytes).view(self.dtype) for _ in range(3)]
+            self._sets[0].copy_(self._flat[1])
+            self._move(0)
+        self._published = [*self._published[-1:], self._current]
+        return True
+
+    def _move(self, index: int) -> None:
+        """The copy lives in set ``index`` from now on (its values are written there next)."""
+        self._current, self._flat = index, (self._flat[0], self._sets[index])
+        self.copies = self._views(self._sets[index])
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The up-to-date copy by parameter name (views of its buffer: valid until the weights next change)."""
@@ -108,10 +145,11 @@ class WeightCopy:
         weight's gradient back to the end (DDP could reduce no bucket while the backward computes).
         """
         self.refresh()
-        handles = []
+        copies, handles = self.copies, []  # no write inside the block: the optimizer steps outside it
         try:
             for m, slots in self._slots.items():
-                handles.append(m.register_forward_pre_hook(lambda module, args, slots=slots: _read(module, slots)))
+                read = lambda module, args, slots=slots: _read(module, slots, copies)  # noqa: E731
+                handles.append(m.register_forward_pre_hook(read))
                 handles.append(m.register_forward_hook(lambda module, args, out, slots=slots: _put_back(module, slots)))
             yield
         finally:
@@ -121,14 +159,14 @@ class WeightCopy:
                 _put_back(m, slots)
 
 
-def _read(module: torch.nn.Module, slots: list[tuple[str, torch.nn.Parameter, torch.Tensor]]) -> None:
+def _read(module: torch.nn.Module, slots: list[tuple[str, torch.nn.Parameter, int]], copies: list[torch.Tensor]):
     """The module's weights read from their copies (through ``_ReadCopy`` where a gradient is wanted)."""
     grad = torch.is_grad_enabled()
-    for key, p, c in slots:
-        module._parameters[key] = _ReadCopy.apply(p, c) if grad and p.requires_grad else c
+    for key, p, i in slots:
+        module._parameters[key] = _ReadCopy.apply(p, copies[i]) if grad and p.requires_grad else copies[i]
 
 
-def _put_back(module: torch.nn.Module, slots: list[tuple[str, torch.nn.Parameter, torch.Tensor]]) -> None:
+def _put_back(module: torch.nn.Module, slots: list[tuple[str, torch.nn.Parameter, int]]) -> None:
     """The module's own parameters back in place of the reads."""
     for key, p, _ in slots:
         module._parameters[key] = p

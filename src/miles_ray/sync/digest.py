@@ -25,7 +25,7 @@ one a re-read would give. A parameter that was copied, cast or reshaped on load 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
@@ -33,7 +33,7 @@ import torch
 import xxhash
 
 if TYPE_CHECKING:  # for annotations only: this file runs where miles_ray is not installed
-    from miles_ray.sync.buckets import Bucket
+    from miles_ray.sync.buckets import Bucket, TensorMeta
 
 SAMPLE_BLOCK, SAMPLE_WIDTH = 4096, 64  # a sampled digest reads SAMPLE_WIDTH bytes of every SAMPLE_BLOCK
 SAMPLE_PHASES = SAMPLE_BLOCK // SAMPLE_WIDTH  # consecutive samples that cover every byte
@@ -77,11 +77,8 @@ class TensorDigests:
         """
         if flat.device.type != "cpu":
             return self.add((m.name, flat[m.offset : m.offset + m.numel].view(m.shape)) for m in bucket.tensors)
-        data, size, base = flat.view(torch.uint8).numpy(), flat.element_size(), flat.data_ptr()
-        for m in bucket.tensors:
-            start, end = m.offset * size, (m.offset + m.numel) * size
-            if self._first_name_of_memory(m.name, (base + start, m.numel)):
-                self._digests[m.name] = _hash(m.name, flat.dtype, m.shape, data[start:end], self.sample)
+        for name, memory, taken in bucket_digests(bucket.tensors, flat, self.sample):
+            self.put(name, memory, taken)
         return self
 
     def put(self, name: str, memory: tuple[int, int], taken: bytes) -> TensorDigests:
@@ -196,6 +193,21 @@ def copy_with_digests(
                 break
             k += 1
     return [h.digest() for h in hashers]
+
+
+def bucket_digests(
+    tensors: Sequence[TensorMeta], flat: torch.Tensor, sample: int | None = None
+) -> list[tuple[str, tuple[int, int], bytes]]:
+    """``(name, (address, numel), digest)`` of each of a bucket's ``tensors`` in ``flat``, its CPU buffer in its dtype.
+
+    Adds to no ``TensorDigests``, so threads may share a bucket's tensors out (``TensorDigests.put`` them after).
+    """
+    data, size, base = flat.view(torch.uint8).numpy(), flat.element_size(), flat.data_ptr()
+    out = []
+    for m in tensors:
+        start, end = m.offset * size, (m.offset + m.numel) * size
+        out.append((m.name, (base + start, m.numel), _hash(m.name, flat.dtype, m.shape, data[start:end], sample)))
+    return out
 
 
 def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -5,7 +5,8 @@ Trainer rank 0 gathers each bucket straight into a shared-memory buffer it keeps
 the same node maps it (once; later syncs reuse the mapping) and points its parameters at the bucket's views, so a
 sync moves the weights once, trainer memory to shared memory, and the engine copies nothing. Two buffer sets
 alternate: engines compute with set A while the next sync fills set B, and every engine moves to B before A is
-written again.
+written again. Where the trainer's bf16 weight copy itself lives in shared buffers (``TrainBackend.publish_in_place``),
+a sync hands engines that memory (``handle_of``: a bucket at its offset in a buffer) and moves nothing at all.
 
 On Linux a buffer is an anonymous memory file (``memfd_create``) that other processes open through
 ``/proc/<pid>/fd/<fd>``: the kernel frees it when the last process holding or mapping it is gone, so nothing is
@@ -27,6 +28,7 @@ Usage (trainer rank 0, then an engine on the same node)::
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import mmap
 import os
@@ -44,7 +46,7 @@ import torch
 import torch.multiprocessing
 
 from miles_ray.sync.buckets import Bucket, SyncPlan
-from miles_ray.sync.digest import TensorDigests, copy_with_digests
+from miles_ray.sync.digest import TensorDigests, bucket_digests, copy_with_digests
 
 if TYPE_CHECKING:
     import ray
@@ -62,17 +64,22 @@ def shared_empty(nbytes: int) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class SharedBucket:
-    """A shared-memory bucket buffer, as the path a process on the same node opens and maps."""
+    """A shared-memory bucket buffer, as the path a process on the same node opens and maps.
+
+    ``offset``: where the bucket's ``nbytes`` start in the buffer (a bucket of a larger buffer, ``handle_of``).
+    """
 
     path: str
     nbytes: int
     token: str  # unique per buffer: a later buffer may get the same descriptor number, never the same token
+    offset: int = 0
 
     def open(self) -> torch.Tensor:
-        """A new mapping of the buffer as a ``uint8`` tensor (``open_buckets`` keeps mappings from sync to sync)."""
+        """A new mapping of the bucket as a ``uint8`` tensor (``open_buckets`` keeps mappings from sync to sync)."""
         try:
             with open(self.path, "r+b") as f:
-                return torch.frombuffer(mmap.mmap(f.fileno(), self.nbytes), dtype=torch.uint8)
+                mapped = mmap.mmap(f.fileno(), self.offset + self.nbytes)  # from 0: an offset must be page-aligned
+                return torch.frombuffer(mapped, dtype=torch.uint8, count=self.nbytes, offset=self.offset)
         except OSError as e:
             raise RuntimeError(
                 f"cannot map the trainer's shared bucket {self.path}: {e}. Shared-memory sync needs the engine on the "
@@ -90,9 +97,30 @@ def shared_buffer(nbytes: int) -> tuple[torch.Tensor, SharedBucket]:
         fd, path = tempfile.mkstemp(prefix="miles_ray_bucket_")
         release = (_close_and_remove, fd, path)
     os.ftruncate(fd, nbytes)
-    tensor = torch.frombuffer(mmap.mmap(fd, nbytes), dtype=torch.uint8)
-    weakref.finalize(tensor, *release)  # mappings (ours and the engines') outlive the descriptor
-    return tensor, SharedBucket(path, nbytes, token)
+    mapped = mmap.mmap(fd, nbytes)
+    tensor = torch.frombuffer(mapped, dtype=torch.uint8)
+    # the mapping lives while any tensor views it (not only this one); the engines' mappings outlive the descriptor
+    weakref.finalize(mapped, *release)
+    handle = SharedBucket(path, nbytes, token)
+    _made[tensor.data_ptr()] = (weakref.ref(mapped), handle)
+    return tensor, handle
+
+
+_made: dict[int, tuple[weakref.ref, SharedBucket]] = {}  # address -> (its mapping, the handle) of our shared_buffers
+
+
+def handle_of(view: torch.Tensor) -> SharedBucket | None:
+    """The handle of the bytes ``view`` (contiguous, on CPU) occupies, if a live ``shared_buffer`` of ours holds them.
+
+    A trainer whose weight copy lies in shared memory hands engines its buckets so. None elsewhere.
+    """
+    start, nbytes = view.data_ptr(), view.numel() * view.element_size()
+    for address, (ref, handle) in list(_made.items()):
+        if ref() is None:  # freed: its address may be reused
+            del _made[address]
+        elif address <= start and start + nbytes <= address + handle.nbytes:
+            return dataclasses.replace(handle, offset=start - address, nbytes=nbytes)
+    return None
 
 
 def _close_and_remove(fd: int, path: str) -> None:
@@ -100,18 +128,19 @@ def _close_and_remove(fd: int, path: str) -> None:
     os.unlink(path)
 
 
-_recent: deque[dict[str, torch.Tensor]] = deque(maxlen=2)  # token -> mapping, of the last two sets opened
+_recent: deque[dict[tuple[str, int], torch.Tensor]] = deque(maxlen=3)  # (token, offset) -> mapping, last 3 syncs
 
 
 def open_buckets(handles: list[SharedBucket]) -> list[torch.Tensor]:
-    """Map a sync's buckets, reusing the mappings of the last two syncs (the two alternating sets).
+    """Map a sync's buckets, reusing the mappings of the last three syncs (the sets a sender rotates through).
 
     Older mappings leave the cache; their memory stays while a parameter still views it.
     """
-    known = {token: t for opened in _recent for token, t in opened.items()}
-    current = {h.token: known[h.token] if h.token in known else h.open() for h in handles}
+    known = {key: t for opened in _recent for key, t in opened.items()}
+    keys = [(h.token, h.offset) for h in handles]
+    current = {key: known[key] if key in known else h.open() for key, h in zip(keys, handles)}
     _recent.append(current)
-    return [current[h.token] for h in handles]
+    return [current[key] for key in keys]
 
 
 class BucketBuffers:
@@ -181,14 +210,6 @@ def _fill_hashing(
     copies: list[tuple[Bucket, torch.Tensor, torch.Tensor]], digests: TensorDigests, helper: Executor
 ) -> None:
     """``fill_buckets`` with a digest of every byte: the tensors holding the first half of the bytes on this thread."""
-    tensors = [(i, m) for i, (bucket, _, _) in enumerate(copies) for m in bucket.tensors]
-    sizes = [m.numel * copies[i][1].element_size() for i, m in tensors]
-    cut, done, total = len(tensors), 0, sum(sizes)
-    for k, n in enumerate(sizes):
-        if 2 * done >= total:
-            cut = k
-            break
-        done += n
 
     def run(part: list) -> list[tuple[str, tuple[int, int], bytes]]:
         taken = []
@@ -200,8 +221,36 @@ def _fill_hashing(
             taken += [(m.name, (base + span[3], m.numel), d) for m, span, d in zip(metas, spans, got)]
         return taken
 
+    _halves([(b, buffer) for b, _, buffer in copies], run, digests, helper)
+
+
+def hash_buckets(buckets: list[tuple[Bucket, torch.Tensor]], digests: TensorDigests, helper: Executor) -> None:
+    """Add the digests of ``(bucket, buffer)`` pairs (CPU, in the bucket's dtype), half the bytes on ``helper``."""
+
+    def run(part: list) -> list[tuple[str, tuple[int, int], bytes]]:
+        taken = []
+        for i, group in itertools.groupby(part, key=lambda x: x[0]):
+            taken += bucket_digests([m for _, m in group], buckets[i][1], digests.sample)
+        return taken
+
+    _halves(buckets, run, digests, helper)
+
+
+def _halves(buckets: list[tuple[Bucket, torch.Tensor]], run, digests: TensorDigests, helper: Executor) -> None:
+    """``run`` the ``(bucket index, tensor)`` pairs holding the first half of the bytes here, the rest on ``helper``.
+
+    The digests both return are added here: ``TensorDigests`` is not thread-safe.
+    """
+    tensors = [(i, m) for i, (bucket, _) in enumerate(buckets) for m in bucket.tensors]
+    sizes = [m.numel * buckets[i][1].element_size() for i, m in tensors]
+    cut, done, total = len(tensors), 0, sum(sizes)
+    for k, n in enumerate(sizes):
+        if 2 * done >= total:
+            cut = k
+            break
+        done += n
     rest = helper.submit(run, tensors[cut:])
-    for name, memory, d in run(tensors[:cut]) + rest.result():  # added here: TensorDigests is not thread-safe
+    for name, memory, d in run(tensors[:cut]) + rest.result():
         digests.put(name, memory, d)
 
 

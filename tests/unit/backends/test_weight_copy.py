@@ -124,3 +124,45 @@ def test_a_bf16_sync_sends_the_copy_as_the_weights_change(tiny_model_path, tmp_p
 def test_no_copy_where_it_does_not_apply(tiny_model_path, config):
     backend = TorchBackend(TorchBackendConfig(**config), OptimizerConfig(lr=1e-3), tiny_model_path)
     assert backend.weight_copy is None
+    assert not backend.publish_in_place(torch.bfloat16, _shared)  # a shared-memory sync copies the buckets
+
+
+def _shared(nbytes: int) -> torch.Tensor:
+    from miles_ray.sync.shm import shared_buffer
+
+    return shared_buffer(nbytes)[0]
+
+
+def test_a_published_copy_stays_unwritten_while_engines_may_compute_on_it(tiny_model_path, tmp_path):
+    """``publish_in_place``: the copy moves into three shared buffers; no write (an optimizer step, a checkpoint
+    load) goes to the set published last or the time before, and the forwards read the copy wherever it is: the
+    same metrics, bit for bit, as a copy never published."""
+    from miles_ray.sync.shm import handle_of
+
+    backends = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        backends.append(TorchBackend(TorchBackendConfig(**BF16), OptimizerConfig(lr=1e-3), tiny_model_path))
+    backend, private = backends
+    plan = backend.sync_plan(torch.bfloat16, bucket_bytes=1 << 19)
+    published = []  # (the buckets handed to engines, their values then)
+
+    def unchanged() -> bool:  # engines compute on the last set published; they may still view the one before
+        return all(torch.equal(v, x) for views, values in published[-2:] for v, x in zip(views, values))
+
+    for step in range(4):
+        assert backend.publish_in_place(torch.bfloat16, _shared)
+        views = [backend.bucket_in_place(b) for b in plan.buckets]
+        assert all(handle_of(v) is not None for v in views)  # in shared memory: engines map the copy itself
+        assert all(torch.equal(v, _cast(backend, b)) for v, b in zip(views, plan.buckets))
+        published.append((views, [v.clone() for v in views]))
+        metrics = [RLStep(b, ObjectiveConfig()).update(_grouped_batch(seed=step)) for b in backends]
+        assert metrics[0] == metrics[1]
+        assert unchanged()
+    assert len({views[0].data_ptr() for views, _ in published}) == 3  # three sets in turn
+    backend.save(str(tmp_path / "ckpt"))
+    backend.load(str(tmp_path / "ckpt"))  # a write the version counters show: to the free set as well
+    assert unchanged()
+    assert backend.publish_in_place(torch.bfloat16, _shared)
+    assert all(torch.equal(backend.bucket_in_place(b), _cast(backend, b)) for b in plan.buckets)
+    assert private.publish_in_place(torch.float32, _shared) is False  # the copy is bf16; fp32 buckets are copied

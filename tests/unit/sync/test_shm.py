@@ -1,6 +1,7 @@
 """Shared bucket buffers: another process maps the same memory through the handle; the two sets alternate; the
 memory goes when its last holder does, even one killed with SIGKILL."""
 
+import dataclasses
 import json
 import os
 import signal
@@ -74,16 +75,39 @@ def test_a_killed_owner_leaves_no_memory_behind():
     assert _shmem_mb() - before < 50
 
 
-def test_engines_reuse_the_mappings_of_the_two_alternating_sets():
+def test_engines_reuse_the_mappings_of_the_last_three_sets():
     buffers = BucketBuffers(shared=True)
     buffers.next(PLAN)
     first = buffers.handles()
     buffers.next(PLAN)
     second = buffers.handles()
+    third_buffer, third = shm.shared_buffer(PLAN.total_bytes)  # a third set (a weight copy rotates through three)
     assert first != second
-    a, b = open_buckets(first)[0], open_buckets(second)[0]
-    assert open_buckets(first)[0] is a and open_buckets(second)[0] is b  # mapped once each
-    assert len(shm._recent) == 2
+    mapped = [open_buckets(h)[0] for h in (first, second, [third])]
+    assert all(open_buckets(h)[0] is m for h, m in zip((first, second, [third]), mapped))  # mapped once each
+    assert len(shm._recent) == 3
+    open_buckets(second)
+    open_buckets([third])
+    assert open_buckets(first)[0] is not mapped[0]  # three syncs later: mapped again
+
+
+def test_a_view_inside_a_shared_buffer_has_a_handle_to_its_bytes_alone():
+    buffer, whole = shm.shared_buffer(64)
+    buffer.copy_(torch.arange(64, dtype=torch.uint8))
+    handle = shm.handle_of(buffer[24:40].view(torch.float32))
+    assert (handle.path, handle.token, handle.offset, handle.nbytes) == (whole.path, whole.token, 24, 16)
+    mapped = handle.open()
+    assert mapped.tolist() == list(range(24, 40))
+    mapped[0] = 200
+    assert buffer[24].item() == 200  # the same memory
+    assert shm.handle_of(torch.zeros(4)) is None  # not shared memory of ours
+    assert shm.handle_of(buffer[60:]) is not None and shm.handle_of(torch.cat([buffer, buffer])) is None
+    before = buffer[24:40].view(torch.float32).tolist()
+    out = subprocess.run(
+        [sys.executable, "-c", READ_AND_WRITE, json.dumps(dataclasses.asdict(handle))], capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr  # another process maps the bucket at its offset: reads and writes it
+    assert out.stdout.strip() == str(before) and buffer[24:28].view(torch.float32).item() == 42.0
 
 
 def test_two_sets_alternate_and_are_kept():

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 import torch
 
 from miles_ray.sync.buckets import SyncPlan, unpack
-from miles_ray.sync.digest import named_tensors_checksum
+from miles_ray.sync.digest import TensorDigests, named_tensors_checksum
 
 
 def buckets_checksum(plan: SyncPlan, flats: Iterable[torch.Tensor], sample: int | None = None) -> str:
@@ -23,8 +23,10 @@ def buckets_checksum(plan: SyncPlan, flats: Iterable[torch.Tensor], sample: int 
     Equals ``named_tensors_checksum`` of the unpacked tensors (``sample``: sampled, ``sync.digest``), so a sender
     hashing its buckets and an engine hashing the parameters it loaded from them agree.
     """
-    named = (t for bucket, flat in zip(plan.buckets, flats) for t in unpack(bucket, flat))
-    return named_tensors_checksum(named, sample)
+    digests = TensorDigests(sample)
+    for bucket, flat in zip(plan.buckets, flats):
+        digests.add_bucket(bucket, flat)
+    return digests.hexdigest()
 
 
 def probe_rows(named_tensors: Iterable[tuple[str, torch.Tensor]], num_values: int = 16) -> dict[str, list[float]]:

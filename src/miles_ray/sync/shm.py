@@ -187,7 +187,8 @@ def fill_buckets(
     (in its dtype). With ``digests`` of every byte, each tensor is hashed as it is copied, chunk by chunk while the
     chunk is in cache (``copy_with_digests``): two passes over the bytes instead of three. Otherwise each thread
     copies its half of each bucket in one call (few calls: the two threads seldom wait for each other's turn with
-    the interpreter), and a sampled digest (``digests.sample``) reads its 1/64 of the buffers afterwards.
+    the interpreter), and a sampled digest (``digests.sample``) reads its 1/64 of the buffers afterwards, on both
+    threads (``hash_buckets``).
     """
     if digests is not None and digests.sample is None:
         _fill_hashing(copies, digests, helper)
@@ -202,8 +203,8 @@ def fill_buckets(
     rest = helper.submit(half, True)
     half(False)
     rest.result()
-    for bucket, _, buffer in copies if digests is not None else ():
-        digests.add_bucket(bucket, buffer)
+    if digests is not None:
+        hash_buckets([(bucket, buffer) for bucket, _, buffer in copies], digests, helper)
 
 
 def _fill_hashing(

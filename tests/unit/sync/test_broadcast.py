@@ -10,11 +10,12 @@ import torch
 
 from miles_ray.sync.broadcast import BroadcastGroup, open_store
 
-RECEIVE = (
-    "import sys, torch\n"
+RECEIVE = (  # the group torn down before exit: gloo's threads alive at interpreter exit once aborted it (SIGABRT)
+    "import sys, torch, torch.distributed as dist\n"
     "from miles_ray.sync.broadcast import BroadcastGroup\n"
     "g = BroadcastGroup.create('127.0.0.1', int(sys.argv[1]), 1, 2, 'gloo', timeout_s=60)\n"
     "t = torch.zeros(5, dtype=torch.uint8); g.broadcast(t); print(t.tolist())\n"
+    "dist.destroy_process_group(g.pg)\n"
 )
 
 

@@ -13,6 +13,15 @@ import tempfile
 from pathlib import Path
 
 
+def new_key() -> str:
+    """A random bearer key: 256 bits as 64 hex digits.
+
+    Hex, not ``token_urlsafe``: a key that begins with ``-`` reads as a flag where a server takes it as an argument
+    (SGLang turns its ``--config`` YAML into ``--api-key <key>``, and argparse then fails to start the server).
+    """
+    return secrets.token_hex(32)
+
+
 def bearer_matches(authorization: str, key: str) -> bool:
     """Whether an ``Authorization`` header carries ``Bearer <key>`` (constant-time: no timing hint of the key)."""
     return hmac.compare_digest(authorization.encode(), f"Bearer {key}".encode())
@@ -36,7 +45,7 @@ def cli_key(given: str | None, path: str | None, prefix: str) -> tuple[str, str]
         return Path(path).read_text().strip(), path
     if given and not path:
         return given, "the environment or --api-key"
-    key = given or secrets.token_urlsafe(32)
+    key = given or new_key()
     path = path or str(Path(tempfile.mkdtemp(prefix=prefix)) / "api_key")
     write_private(path, key)
     return key, path

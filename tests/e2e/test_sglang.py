@@ -9,6 +9,8 @@ fail where ``MILES_RAY_REQUIRE`` names sglang, as in scripts/test.sh).
 """
 
 import json
+import os
+import subprocess
 import time
 import urllib.request
 from pathlib import Path
@@ -22,6 +24,7 @@ from helpers import (
     check_in_place_pause_holds_requests,
     grpo_in_step,
     server_auth_probe,
+    server_python,
     sglang_stack,
     sglang_train_and_sync,
     wait_outstanding,
@@ -31,6 +34,8 @@ from helpers import sglang_generate as _generate
 from helpers import sglang_train_step as _train_step
 
 from miles_ray.engines.requests import GenerateRequest, SamplingParams
+from miles_ray.engines.sglang import SITE_DIR, SGLangEngineConfig, SGLangServer
+from miles_ray.keys import new_key
 from miles_ray.sync.checksum import probe_checksum, probe_rows
 
 pytestmark = [pytest.mark.e2e, pytest.mark.sglang]
@@ -144,3 +149,38 @@ def test_the_server_needs_its_key_and_no_command_line_shows_it(stack):
     assert probe["without_key"] == probe["wrong_key"] == {route: 401 for _, route in routes}, probe
     assert probe["health"] == 200 and probe["safe_with_key"] == 200 and not probe["key_in_argv"]
     assert _generate(stack).completions
+
+
+PARSE_KEY = """
+import sys
+from sglang.srt.server_args import prepare_server_args
+for argv in (sys.argv[2:], ["--model-path", "/m", "--config", sys.argv[1]]):
+    try:
+        print("key", prepare_server_args(argv).api_key)
+    except SystemExit as e:
+        print("exit", e.code)
+"""
+
+
+@pytest.mark.timeout(300)
+def test_sglang_reads_the_key_the_engine_writes_and_a_leading_dash_would_stop_it(tmp_path):
+    """Regression: a CI run lost this whole module when a random key (``token_urlsafe``) began with ``-``: SGLang
+    turns the --config YAML into ``--api-key <key>``, argparse took the key for a flag and the server never started.
+    SGLang's own parser reads the file that ``SGLangServer.command`` writes; the same file with a dashed key fails."""
+    shim = {"PYTHONPATH": str(SITE_DIR), "SGLANG_USE_CPU_ENGINE": "1"}
+    python = server_python("MILES_RAY_SGLANG_PYTHON", ".venv-sglang", "sglang.srt.server_args", shim)
+    if python is None:
+        from installs import missing
+
+        missing("sglang", "no SGLang environment: run scripts/setup_sglang.sh or set MILES_RAY_SGLANG_PYTHON")
+    server = SGLangServer.__new__(SGLangServer)  # only its command line: no process is started
+    server.config, server.model_name, server.port, server.device = SGLangEngineConfig(model_path="/m"), "p", 1, "cpu"
+    server.api_key, server._secrets = new_key(), str(tmp_path)
+    argv = server.command()[3:]  # after `python -m sglang.launch_server`
+    dashed = tmp_path / "dash.yaml"
+    dashed.write_text(f"api-key: '-{server.api_key}'\n")
+    env = {**os.environ, **shim}
+    run = subprocess.run(
+        [python, "-c", PARSE_KEY, str(dashed), *argv], capture_output=True, text=True, timeout=240, env=env
+    )
+    assert run.stdout.split("\n")[:2] == [f"key {server.api_key}", "exit 2"], run.stdout + run.stderr[-2000:]

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import json
-import secrets
 from concurrent.futures import ThreadPoolExecutor
 
 from aiohttp import web
@@ -19,6 +18,7 @@ from miles_ray.config import StrictConfig
 from miles_ray.engines.loop import EngineLoop
 from miles_ray.engines.requests import GenerateOutput, GenerateRequest, SamplingParams
 from miles_ray.engines.tool_calls import chat_template, tool_call_parser
+from miles_ray.keys import new_key
 
 # request field -> SamplingParams field, for both APIs; unknown names are rejected, not silently ignored
 SAMPLING_FIELDS = {k: k for k in ("temperature", "top_p", "top_k", "n", "stop", "stop_token_ids", "ignore_eos", "seed")}
@@ -66,7 +66,7 @@ class HttpServerConfig(StrictConfig):
     def _a_random_key_by_default(cls, data):
         # every server has a key: a loopback port is open to every user of the machine
         if isinstance(data, dict) and data.get("api_key") is None and is_loopback(str(data.get("host", "127.0.0.1"))):
-            data = {**data, "api_key": secrets.token_urlsafe(32)}
+            data = {**data, "api_key": new_key()}
         return data
 
     @field_validator("tool_call_parser")

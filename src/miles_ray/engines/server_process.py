@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import os
 import re
-import secrets
 import shutil
 import signal
 import socket
@@ -26,7 +25,7 @@ import time
 from pathlib import Path
 
 from miles_ray.engines.requests import EngineDeadError, SamplingParams
-from miles_ray.keys import write_private
+from miles_ray.keys import new_key, write_private
 
 _FLAG_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")
 
@@ -57,7 +56,7 @@ class ServerProcess:
         self.request_timeout_s = request_timeout_s
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.api_key = secrets.token_urlsafe(32)  # per server; `command`/`env` hand it over, the client sends it
+        self.api_key = new_key()  # per server; `command`/`env` hand it over, the client sends it
         self._secrets = tempfile.mkdtemp(prefix=f"miles_ray_{self.name}_secrets_")  # mode 0700
         self._log = tempfile.NamedTemporaryFile(prefix=f"miles_ray_{self.name}_", suffix=".log", delete=False)
         self._session = None

@@ -224,6 +224,8 @@ class EngineActorBase:
         """Join the broadcast group used for disaggregated weight sync."""
         from miles_ray.sync.broadcast import BroadcastGroup
 
+        if self._sync_group is not None:  # a re-formed group (respawned engine or trainer): leave the old one first
+            self._sync_group.close()
         self._sync_group = await asyncio.to_thread(BroadcastGroup.create, host, port, rank, world_size, collective)
 
     async def receive_broadcast(

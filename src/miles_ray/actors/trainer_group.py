@@ -185,6 +185,8 @@ class TrainerWorker(Worker):
         from miles_ray.sync.broadcast import BroadcastGroup
 
         store, self._sync_store = self._sync_store, None
+        if self._sync_group is not None:  # a re-formed group (respawned engine): leave the old one first
+            self._sync_group.close()
         self._sync_group = BroadcastGroup.create(store.host, store.port, 0, world_size, collective, store=store)
 
     def _gather(self, plan: SyncPlan, shared: bool | None = None, published: bool = False):

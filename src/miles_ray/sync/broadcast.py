@@ -101,3 +101,14 @@ class BroadcastGroup:
     def barrier(self) -> None:
         """Wait for every rank."""
         self.broadcast(torch.zeros(1))
+
+    def close(self) -> None:
+        """Leave the group now: its threads and sockets end (idempotent).
+
+        Call it before joining a re-formed group (the old one otherwise stays registered with torch, its threads and
+        sockets alive), and before a process exits: a group first freed during interpreter shutdown can abort the
+        process (SIGABRT, "terminate called without an active exception"), as gloo's threads then cannot take the GIL.
+        """
+        if self.pg is not None:
+            dist.destroy_process_group(self.pg)
+            self.pg = self._store = None

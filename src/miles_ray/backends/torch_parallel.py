@@ -193,6 +193,10 @@ def forward_backward_in_turn(backend, batches, temperature: float, loss_of, tota
     return stats
 
 
+# in a checkpoint saved before the first optimizer step: the optimizer state beside it is only torch's placeholder
+FRESH_OPTIMIZER = "optimizer_fresh"
+
+
 def save_rng(path: str, rank: int) -> None:
     """Write this rank's RNG states (CPU, and CUDA when present) into checkpoint directory ``path``."""
     state = {"cpu": torch.get_rng_state()}
@@ -347,8 +351,16 @@ class DataParallelModel(DataParallelOps):
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
+        fresh = not self.optimizer.state  # no step taken yet
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+        marker = os.path.join(path, FRESH_OPTIMIZER)  # every rank: a node may not share the directory
+        if fresh:  # get_state_dict made the state by a zero-gradient step, which AdamW would count: undo it
+            self.optimizer.state.clear()
+            open(marker, "w").close()
+        else:
+            with contextlib.suppress(FileNotFoundError):  # a re-save into a fresh checkpoint's directory
+                os.remove(marker)
         save_rng(path, self.rank)
 
     def load(self, path: str) -> None:
@@ -360,6 +372,8 @@ class DataParallelModel(DataParallelOps):
         state = {"model": model_sd, "optim": optim_sd}
         dcp.load(state, checkpoint_id=path)
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        if os.path.exists(os.path.join(path, FRESH_OPTIMIZER)):  # the state on file is only that zero step
+            self.optimizer.state.clear()
         if self.weight_copy is not None:
             self.weight_copy.invalidate()
         load_rng(path, self.rank)

@@ -1,5 +1,6 @@
 """The torch backend under the RL step, in-process (world size 1, gloo): objectives, micro-batch invariance."""
 
+import os
 import socket
 
 import pytest
@@ -17,6 +18,7 @@ from miles_ray.backends.objectives import (
 )
 from miles_ray.backends.rl_step import RLStep, logprobs
 from miles_ray.backends.torch_backend import TorchBackend
+from miles_ray.backends.torch_parallel import FRESH_OPTIMIZER
 from miles_ray.types import RolloutBatch, Sample
 
 
@@ -301,3 +303,26 @@ def _assert_sent_in_place(backend, plan):
         view = backend.bucket_in_place(bucket)
         assert view is not None and view.data_ptr() in params
         assert torch.equal(view, backend.gather_bucket(bucket, torch.float32))
+
+
+@pytest.mark.parametrize("parallel", ["fsdp2", "ddp"])
+def test_a_checkpoint_before_the_first_step_changes_no_later_step(tiny_model_path, tmp_path, parallel):
+    """Regression: torch's ``get_state_dict`` makes a fresh optimizer's state by a zero-gradient step, so a save
+    before the first step left AdamW counting that step (bias correction of every later update changed), and a
+    load of that checkpoint did the same. Saved or loaded fresh, the run now trains as if never checkpointed."""
+    fresh = str(tmp_path / "fresh")
+
+    def run(save: str | None = None, load: str | None = None):
+        backend = TorchBackend(TorchBackendConfig(parallel=parallel), OptimizerConfig(lr=1e-3), tiny_model_path)
+        if save:
+            backend.save(save)
+        if load:
+            backend.load(load)
+        norms = [_step(backend).update(_batch(GRPOAdvantageConfig()))["grad_norm"] for _ in range(3)]
+        return norms, _params(backend), backend
+
+    plain = run()
+    for norms, params, _ in (run(save=fresh), run(load=fresh)):
+        assert norms == plain[0] and torch.equal(params, plain[1])
+    plain[2].save(fresh)  # a re-save after steps into that directory: its state is real again
+    assert not os.path.exists(os.path.join(fresh, FRESH_OPTIMIZER))

@@ -48,7 +48,14 @@ from miles_ray.backends.megatron_model import (
 from miles_ray.backends.optimizer import OptimizerConfig
 from miles_ray.backends.packing import micro_batches_of, pack_rows
 from miles_ray.backends.routing import MegatronRouteTracker, track_routes
-from miles_ray.backends.torch_parallel import DataParallelOps, forward_backward_in_turn, load_rng, save_rng
+from miles_ray.backends.torch_parallel import (
+    DataParallelOps,
+    forward_backward_in_turn,
+    load_rng,
+    mark_fresh_optimizer,
+    save_rng,
+    saved_fresh,
+)
 from miles_ray.devices import configure_host, rank_device
 from miles_ray.sync.buckets import Bucket, SyncPlan, pack, plan_buckets
 from miles_ray.types import RolloutBatch
@@ -520,19 +527,32 @@ class MegatronBackend(DataParallelOps):
 
         Path(path).mkdir(parents=True, exist_ok=True)
         model_sd = self.hf_model.sharded_state_dict()
+        fresh = len(self.optimizer.state) == 0  # no step taken: Megatron would save no moments, which load then wants
         with megatron_cpu.cpu_devices():
-            state = {"model": model_sd, "optimizer": self.optimizer.sharded_state_dict(model_sd)}
+            state = (
+                {"model": model_sd}
+                if fresh
+                else {"model": model_sd, "optimizer": self.optimizer.sharded_state_dict(model_sd)}
+            )
             dist_checkpointing.save(state, path)
+        mark_fresh_optimizer(path, fresh)
         save_rng(path, self.rank)
 
     def load(self, path: str) -> None:
         """Collective: load a ``save`` checkpoint (model + optimizer), resharding to this TP size."""
         from megatron.core import dist_checkpointing
 
+        fresh = saved_fresh(path)
         with megatron_cpu.cpu_devices():
             model_sd = self.hf_model.sharded_state_dict()
-            wanted = {"model": model_sd, "optimizer": self.optimizer.sharded_state_dict(model_sd, is_loading=True)}
+            wanted = {"model": model_sd}
+            if not fresh:
+                wanted["optimizer"] = self.optimizer.sharded_state_dict(model_sd, is_loading=True)
             state = dist_checkpointing.load(wanted, path)
             self.hf_model.load_state_dict(state["model"], strict=False)
-            self.optimizer.load_state_dict(state["optimizer"])
+            if fresh:  # the optimizer as before its first step
+                for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+                    opt.state.clear()
+            else:
+                self.optimizer.load_state_dict(state["optimizer"])
         load_rng(path, self.rank)

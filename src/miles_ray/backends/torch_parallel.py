@@ -193,8 +193,26 @@ def forward_backward_in_turn(backend, batches, temperature: float, loss_of, tota
     return stats
 
 
-# in a checkpoint saved before the first optimizer step: the optimizer state beside it is only torch's placeholder
-FRESH_OPTIMIZER = "optimizer_fresh"
+FRESH_OPTIMIZER = "optimizer_fresh"  # the file that marks a checkpoint saved before the first optimizer step
+
+
+def mark_fresh_optimizer(path: str, fresh: bool) -> None:
+    """Mark checkpoint directory ``path`` as saved before the first optimizer step, or unmark a re-save after one.
+
+    Every rank marks: nodes need not share the directory. What a fresh optimizer leaves on file is only a placeholder
+    (torch's ``get_state_dict`` makes state by a zero step; Megatron saves none), which ``load`` must not restore.
+    """
+    marker = os.path.join(path, FRESH_OPTIMIZER)
+    if fresh:
+        open(marker, "w").close()
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(marker)
+
+
+def saved_fresh(path: str) -> bool:
+    """Whether checkpoint directory ``path`` was saved before the first optimizer step (``mark_fresh_optimizer``)."""
+    return os.path.exists(os.path.join(path, FRESH_OPTIMIZER))
 
 
 def save_rng(path: str, rank: int) -> None:
@@ -354,13 +372,9 @@ class DataParallelModel(DataParallelOps):
         fresh = not self.optimizer.state  # no step taken yet
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
-        marker = os.path.join(path, FRESH_OPTIMIZER)  # every rank: a node may not share the directory
         if fresh:  # get_state_dict made the state by a zero-gradient step, which AdamW would count: undo it
             self.optimizer.state.clear()
-            open(marker, "w").close()
-        else:
-            with contextlib.suppress(FileNotFoundError):  # a re-save into a fresh checkpoint's directory
-                os.remove(marker)
+        mark_fresh_optimizer(path, fresh)
         save_rng(path, self.rank)
 
     def load(self, path: str) -> None:
@@ -372,7 +386,7 @@ class DataParallelModel(DataParallelOps):
         state = {"model": model_sd, "optim": optim_sd}
         dcp.load(state, checkpoint_id=path)
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        if os.path.exists(os.path.join(path, FRESH_OPTIMIZER)):  # the state on file is only that zero step
+        if saved_fresh(path):  # the state on file is only that zero step
             self.optimizer.state.clear()
         if self.weight_copy is not None:
             self.weight_copy.invalidate()

@@ -255,3 +255,23 @@ def test_replay_cuts_the_megatron_logprob_mismatch_to_a_bf16_engine(tiny_qwen3_m
         if not replay:
             assert 0 < differ < 0.05 * pairs  # some near-ties flipped, most pairs agree
     assert gaps[True] < gaps[False]
+
+
+def test_a_checkpoint_before_the_first_step_changes_no_later_step(tiny_model_path, tmp_path):
+    """As the torch backend's test of the same name: saved or loaded before any step, the run trains the same."""
+    fresh = str(tmp_path / "fresh")
+
+    def run(save: str | None = None, load: str | None = None):
+        backend = MegatronBackend(MegatronBackendConfig(), OptimizerConfig(lr=1e-3), tiny_model_path)
+        if save:
+            backend.save(save)
+        if load:
+            backend.load(load)
+        norms = [
+            RLStep(backend, ObjectiveConfig()).update(_batch(GRPOAdvantageConfig()))["grad_norm"] for _ in range(3)
+        ]
+        return norms, torch.cat([p.detach().reshape(-1) for p in backend.hf_model.parameters()])
+
+    plain = run()
+    for norms, params in (run(save=fresh), run(load=fresh)):
+        assert norms == plain[0] and torch.equal(params, plain[1])

@@ -118,6 +118,7 @@ class WeightBroadcaster:
                 "never hash to what was sent; use engine_dtype='auto' (or verify=False to cast on load unchecked)"
             )
         self._plan = ray.get(self._workers[0].sync_plan.remote(self.engine_dtype, config.bucket_bytes))
+        self._plan_ref = ray.put(self._plan)  # what each sync's calls pass: the plan pickled once, not per call
         adapters = self._plan.adapter is not None
         takes = ray.get([(e.takes_adapters if adapters else e.takes_full_weights).remote() for e in engines])
         refusing = [i for i, ok in enumerate(takes) if not ok]
@@ -183,10 +184,10 @@ class WeightBroadcaster:
         if self.config.transport == "broadcast":
             if not self._group_ready:
                 self._setup_group()
-            kinds = tuple(sorted(set(self._kinds)))
-            sends = [w.broadcast_weights.remote(self._plan, verify, kinds, sample) for w in self._workers]
-            mode = self.config.in_flight
-            recvs = [e.receive_broadcast.remote(self._plan, version, verify, mode, sample) for e in self._engines]
+            kinds, mode = tuple(sorted(set(self._kinds))), self.config.in_flight
+            # receivers first: an engine's call takes longer to start receiving than rank 0's to start sending
+            recvs = [e.receive_broadcast.remote(self._plan_ref, version, verify, mode, sample) for e in self._engines]
+            sends = [w.broadcast_weights.remote(self._plan_ref, verify, kinds, sample) for w in self._workers]
             sent_checksum = ray.get(sends)[0]
             loaded = ray.get(recvs)
             put_s = 0.0  # engines' receive time covers the trainer's gather and send
@@ -230,12 +231,12 @@ class WeightBroadcaster:
         c = self.config
         hash_full, sample = self._verify and "full" in self._kinds, self._sample(version)  # SGLang: probe rows only
         to_store = not all(self._same_node)
-        sends = [w.share_weight_buckets.remote(self._plan, to_store, hash_full, sample) for w in self._workers]
+        sends = [w.share_weight_buckets.remote(self._plan_ref, to_store, hash_full, sample) for w in self._workers]
         out = [r for r in ray.get(sends) if r][0]
         put_s = time.perf_counter() - start  # with the digest, taken while gathering
         loads = [
             e.load_buckets.remote(
-                self._plan,
+                self._plan_ref,
                 out["shared"] if same else out["refs"],
                 version,
                 self._verify,
@@ -260,12 +261,13 @@ class WeightBroadcaster:
 
         """
         start = time.perf_counter()
-        refs = [r for r in ray.get([w.put_weight_buckets.remote(self._plan) for w in self._workers]) if r][0]
+        refs = [r for r in ray.get([w.put_weight_buckets.remote(self._plan_ref) for w in self._workers]) if r][0]
         put_s = time.perf_counter() - start
         c = self.config
         sample = self._sample(version)
         loads = [
-            e.load_buckets.remote(self._plan, refs, version, self._verify, c.in_flight, sample=sample) for e in engines
+            e.load_buckets.remote(self._plan_ref, refs, version, self._verify, c.in_flight, sample=sample)
+            for e in engines
         ]
         # the object-store copies are the bytes the trainer sent: hash them here while engines load
         sent_checksum = self._checksum_refs(refs, kinds, sample) if self._verify else None

@@ -529,11 +529,9 @@ class MegatronBackend(DataParallelOps):
         model_sd = self.hf_model.sharded_state_dict()
         fresh = len(self.optimizer.state) == 0  # no step taken: Megatron would save no moments, which load then wants
         with megatron_cpu.cpu_devices():
-            state = (
-                {"model": model_sd}
-                if fresh
-                else {"model": model_sd, "optimizer": self.optimizer.sharded_state_dict(model_sd)}
-            )
+            state = {"model": model_sd}
+            if not fresh:
+                state["optimizer"] = self.optimizer.sharded_state_dict(model_sd)
             dist_checkpointing.save(state, path)
         mark_fresh_optimizer(path, fresh)
         save_rng(path, self.rank)

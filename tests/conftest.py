@@ -7,7 +7,8 @@ import time
 import pytest
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-# Ray workers import test modules (for callables defined in them) and so need tests/e2e/helpers.py on their path
+# Ray workers import test modules (for callables defined in them) and so need tests/e2e/helpers.py (and the other
+# shared modules there) on their path
 _E2E = os.path.join(os.path.dirname(__file__), "e2e")
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_E2E, os.environ.get("PYTHONPATH")) if p)
 

@@ -32,6 +32,7 @@ from helpers import (
 from helpers import sglang_diff_to_trainer as _max_diff_to_trainer
 from helpers import sglang_generate as _generate
 from helpers import sglang_train_step as _train_step
+from server_commands import unstarted
 
 from miles_ray.engines.requests import GenerateRequest, SamplingParams
 from miles_ray.engines.sglang import SITE_DIR, SGLangEngineConfig, SGLangServer
@@ -173,9 +174,7 @@ def test_sglang_reads_the_key_the_engine_writes_and_a_leading_dash_would_stop_it
         from installs import missing
 
         missing("sglang", "no SGLang environment: run scripts/setup_sglang.sh or set MILES_RAY_SGLANG_PYTHON")
-    server = SGLangServer.__new__(SGLangServer)  # only its command line: no process is started
-    server.config, server.model_name, server.port, server.device = SGLangEngineConfig(model_path="/m"), "p", 1, "cpu"
-    server.api_key, server._secrets = new_key(), str(tmp_path)
+    server = unstarted(SGLangServer, SGLangEngineConfig(model_path="/m"), "cpu", new_key(), str(tmp_path))
     argv = server.command()[3:]  # after `python -m sglang.launch_server`
     dashed = tmp_path / "dash.yaml"
     dashed.write_text(f"api-key: '-{server.api_key}'\n")

@@ -6,19 +6,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from server_commands import unstarted
 
 from miles_ray.actors import RolloutPoolConfig
 from miles_ray.engines.sglang import SITE_DIR, SGLangEngineConfig, SGLangLoRAConfig, SGLangServer, _first_values
 from miles_ray.sync.checksum import probe_checksum, probe_rows
-
-
-def _server(cfg: SGLangEngineConfig, device: str) -> SGLangServer:
-    import tempfile
-
-    server = SGLangServer.__new__(SGLangServer)  # only the command line: no process is started
-    server.config, server.model_name, server.port, server.device = cfg, "policy", 1234, device
-    server.api_key, server._secrets = "k" * 43, tempfile.mkdtemp()
-    return server
 
 
 def test_sglang_args_may_not_override_what_the_engine_sets():
@@ -32,7 +24,7 @@ def test_sglang_args_may_not_override_what_the_engine_sets():
 
 def test_cpu_command_and_environment_apply_the_shim_and_gpu_ones_do_not():
     cfg = SGLangEngineConfig(model_path="/m", python="/py", tp_size=2, sglang_args={"chunked_prefill_size": 64})
-    cpu, gpu = _server(cfg, "cpu"), _server(cfg, "cuda")
+    cpu, gpu = unstarted(SGLangServer, cfg, "cpu"), unstarted(SGLangServer, cfg, "cuda")
     cmd = cpu.command()
     assert cmd[:5] == ["/py", "-m", "sglang.launch_server", "--model-path", "/m"]
     for flag, value in [
@@ -80,7 +72,7 @@ def test_shim_supplies_sgl_kernel_only_when_missing():
 
 def test_lora_config_sets_the_server_flags_and_checks_the_trainers_adapter():
     cfg = SGLangEngineConfig(model_path="/m", lora={"max_lora_rank": 8, "target_modules": ["q_proj", "v_proj"]})
-    cpu, gpu = _server(cfg, "cpu").command(), _server(cfg, "cuda").command()
+    cpu, gpu = unstarted(SGLangServer, cfg, "cpu").command(), unstarted(SGLangServer, cfg, "cuda").command()
     assert cpu[cpu.index("--lora-target-modules") :][:3] == ["--lora-target-modules", "q_proj", "v_proj"]
     for flag, value in [("--max-lora-rank", "8"), ("--max-loras-per-batch", "2"), ("--lora-backend", "torch_native")]:
         assert cpu[cpu.index(flag) + 1] == value

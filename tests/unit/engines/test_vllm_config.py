@@ -1,6 +1,7 @@
 """VLLMEngineConfig and the server command line (no vLLM needed)."""
 
 import pytest
+from server_commands import unstarted
 
 from miles_ray.actors import RolloutPoolConfig
 from miles_ray.engines.http_server import HttpServerConfig
@@ -24,8 +25,7 @@ def test_vllm_args_keys_cannot_smuggle_a_flag(key):
 def test_command_line_carries_the_settings_and_passthrough_flags():
     passthrough = {"enforce_eager": True, "max-num-seqs": 64, "disable-log-stats": False}
     cfg = VLLMEngineConfig(model_path="/m", python="/py", dtype="bfloat16", max_model_len=512, vllm_args=passthrough)
-    server = VLLMServer.__new__(VLLMServer)  # only the command line: no process is started
-    server.config, server.model_name, server.port, server.api_key = cfg, "policy", 1234, "k" * 43
+    server = unstarted(VLLMServer, cfg)
     cmd = server.command()
     assert cmd[:4] == ["/py", "-m", "vllm.entrypoints.openai.api_server", "--model"]
     for flag, value in [
@@ -44,10 +44,7 @@ def test_command_line_carries_the_settings_and_passthrough_flags():
 
 
 def _command(**fields) -> list[str]:
-    server = VLLMServer.__new__(VLLMServer)  # only the command line: no process is started
-    server.config, server.model_name, server.port = VLLMEngineConfig(model_path="/m", **fields), "policy", 1234
-    server.api_key = "k" * 43
-    return server.command()
+    return unstarted(VLLMServer, VLLMEngineConfig(model_path="/m", **fields)).command()
 
 
 def test_chunked_prefill_is_off_without_cuda_and_a_step_then_takes_whole_prompts():

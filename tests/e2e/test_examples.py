@@ -26,16 +26,6 @@ def test_tool_use_example_runs_one_step(tmp_path, tiny_model_path):
     assert record["step"] == 0 and record["policy_tokens_mean"] > 0 and 0.0 <= record["reward_mean"] <= 1.0
 
 
-def test_ppo_example_runs_two_steps(tmp_path, tiny_model_path):
-    """Seven actors (critic and reference included) on one colocated bundle; the critic's metrics are logged."""
-    cmd = [sys.executable, "examples/ppo.py", "--model", "tiny", "--steps", "2", "--num-ranks", "1"]
-    _run(cmd + ["--prompts-per-step", "2", "--samples-per-prompt", "2", "--out", str(tmp_path)])
-    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [r["weight_version"] for r in records] == [1, 2]
-    assert records[0]["ref_kl"] == pytest.approx(0.0, abs=1e-6) and records[0]["value_loss"] >= 0
-    assert (tmp_path / "reward_curve.png").exists()
-
-
 def test_quickstart_runs_checkpoints_and_resumes(tmp_path, tiny_model_path):
     """Two lockstep steps with a whole-run checkpoint after each (under the deprecated ``--mode sync``), then a
     resumed run that continues at step 2 from the checkpoint and keeps the log of the steps before it."""
@@ -84,15 +74,19 @@ def test_the_example_data_is_what_its_script_generates(tmp_path, task):
     assert len(train) == 1000 and len(test) == 100 and not train & set(test)
 
 
-def test_ppo_example_scores_with_a_reward_model(tmp_path, tiny_model_path):
-    """``--reward-model``: a sequence classifier (the tiny model with a one-label head) scores the responses."""
+def test_ppo_example_runs_two_steps_scored_by_a_reward_model(tmp_path, tiny_model_path):
+    """Seven actors (critic and reference included) on one colocated bundle; the critic's metrics are logged;
+    ``--reward-model``: a sequence classifier (the tiny model with a one-label head) scores the responses."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     AutoModelForSequenceClassification.from_pretrained(tiny_model_path, num_labels=1).save_pretrained(tmp_path / "rm")
     AutoTokenizer.from_pretrained(tiny_model_path).save_pretrained(tmp_path / "rm")
-    cmd = [sys.executable, "examples/ppo.py", "--model", "tiny", "--steps", "1", "--num-ranks", "1"]
+    cmd = [sys.executable, "examples/ppo.py", "--model", "tiny", "--steps", "2", "--num-ranks", "1"]
     cmd += ["--prompts-per-step", "2", "--samples-per-prompt", "2", "--out", str(tmp_path / "run")]
     _run(cmd + ["--reward-model", str(tmp_path / "rm")])
-    [record] = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    # the rule reward of 4 samples is a multiple of 1/4; the reward model's scores are not
-    assert record["reward_mean"] * 4 != pytest.approx(round(record["reward_mean"] * 4), abs=1e-6)
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["weight_version"] for r in records] == [1, 2]
+    assert records[0]["ref_kl"] == pytest.approx(0.0, abs=1e-6) and records[0]["value_loss"] >= 0
+    assert (tmp_path / "run" / "reward_curve.png").exists()
+    for record in records:  # the rule reward of 4 samples is a multiple of 1/4; the reward model's scores are not
+        assert record["reward_mean"] * 4 != pytest.approx(round(record["reward_mean"] * 4), abs=1e-6)

@@ -63,10 +63,8 @@ def head(tmp_path_factory, smollm2_path):
         # SIGTERM to `ray start` alone: it drains the node through the GCS and stops its processes (~2 s); sent to
         # the whole group, the GCS died first and the drain waited 30 s for it
         proc.send_signal(signal.SIGTERM)
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=45)
-        except subprocess.TimeoutExpired:
-            pass
         with contextlib.suppress(ProcessLookupError):  # whatever of this cluster is left, and only of it
             os.killpg(proc.pid, signal.SIGKILL)
         log.close()

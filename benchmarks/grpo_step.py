@@ -2,17 +2,21 @@
 
 Runs ``examples/quickstart.py`` (SmolLM2-135M, 8 prompts x 8 samples, <= 24 new tokens, 2 trainer ranks and 2
 engines colocated) for ``--steps`` steps and reports the mean rollout / train / weight-sync seconds and samples/s
-over the steps after the first (the first pays warm-up). With ``--compare REF`` the same run is made on commit REF
-(a git worktree, with this environment) in the same invocation, one after the other, and the table gains the
-ratios REF / this tree. Both runs sample with per-request seeds (a rollout function given by import path, which both
-commits accept), so they train on near-identical batches: continuous batching makes a rollout depend a little on
-which requests share a decode step, so the first step's loss and grad norm, printed for both, agree closely but
-not exactly; ``tests/unit/backends/test_packing.py`` checks the exact equality on one batch.
+over the steps after the first ``--warmup`` (default 1: the first step pays warm-up), and beside them the mean step
+over all steps but the first (``step_s_after_first``). A CPU trainer rank's heap grows over its first ~3 train steps
+(optimizer state, DDP's rebuilt buckets, activations: page faults that later steps, reusing the memory, do not pay),
+so ``--warmup 3`` gives the steady step, and the column beside it what a short run sees. With ``--compare REF`` the
+same run is made on commit REF (a git worktree, with this environment) in the same invocation, one after the other,
+and the table gains the ratios REF / this tree. Both runs sample with per-request seeds (a rollout function given by
+import path, which both commits accept), so they train on near-identical batches: continuous batching makes a
+rollout depend a little on which requests share a decode step, so the first step's loss and grad norm, printed for
+both, agree closely but not exactly; ``tests/unit/backends/test_packing.py`` checks the exact equality on one batch.
 
 With ``--also FLAGS`` this tree runs a second time with those quick-start flags added (e.g. the configuration
 REF defaulted to), so the table separates what the code gained from what the new defaults gained.
 
     python benchmarks/grpo_step.py --steps 4 --compare b4aa437
+    python benchmarks/grpo_step.py --steps 12 --warmup 3 --compare b4aa437    # steady steps, and all but the first
     python benchmarks/grpo_step.py --steps 6 --compare b4aa437 --also "--parallel fsdp2 --engine-dtype float32"
     python benchmarks/grpo_step.py --steps 4 -- --lora-rank 16     # extra quick-start flags (both runs) after --
 """
@@ -56,12 +60,13 @@ def run(tree: Path, out: Path, args, extra: list[str]) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def summary(name: str, records: list[dict], samples_per_step: int) -> dict:
-    """Mean phase seconds over the steps after the first, samples/s, and the first step's loss and grad norm."""
-    steady = records[1:] or records
+def summary(name: str, records: list[dict], samples_per_step: int, warmup: int) -> dict:
+    """Mean phases over the steps after the first ``warmup``, samples/s, the mean step after the first, first loss."""
+    steady = records[warmup:]
     row = {"commit": name, "steps": len(steady)}
     row.update({p: sum(r[p] for r in steady) / len(steady) for p in PHASES})
     row["samples_per_s"] = samples_per_step / row["step_s"]
+    row["step_s_after_first"] = sum(r["step_s"] for r in records[1:]) / (len(records) - 1)
     row["first_step_s"] = records[0]["step_s"]
     row["first_loss"] = records[0]["loss"]
     row["first_grad_norm"] = records[0]["grad_norm"]
@@ -73,6 +78,7 @@ def ratios(ref_name: str, ours: dict, ref: dict) -> dict:
     row = {"commit": f"{ref_name} / {ours['commit']}", "steps": ours["steps"]}
     row.update({p: ref[p] / ours[p] for p in PHASES})
     row["samples_per_s"] = ours["samples_per_s"] / ref["samples_per_s"]
+    row["step_s_after_first"] = ref["step_s_after_first"] / ours["step_s_after_first"]
     row["first_step_s"] = row["first_loss"] = row["first_grad_norm"] = None
     return row
 
@@ -86,7 +92,8 @@ def worktree(ref: str) -> Path:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--steps", type=int, default=4, help="steps per run; the first is left out of the means")
+    p.add_argument("--steps", type=int, default=4, help="steps per run")
+    p.add_argument("--warmup", type=int, default=1, help="first steps left out of the means (>= 1)")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--group-size", type=int, default=8)
@@ -96,16 +103,18 @@ def main() -> None:
     p.add_argument("--name", default="grpo_step", help="results: benchmarks/results/NAME.json")
     args, extra = p.parse_known_args()
     extra = [a for a in extra if a != "--"]
+    if not 1 <= args.warmup < args.steps:
+        p.error(f"--warmup must be at least 1 and below --steps ({args.steps}), got {args.warmup}")
     per_step = args.prompts * args.group_size
     ours = [("this tree", extra)] + ([(f"this tree {args.also}", extra + args.also.split())] if args.also else [])
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for i, (name, flags) in enumerate(ours):
-            rows.append(summary(name, run(ROOT, Path(tmp) / f"this{i}", args, flags), per_step))
+            rows.append(summary(name, run(ROOT, Path(tmp) / f"this{i}", args, flags), per_step, args.warmup))
         if args.compare:
             tree = worktree(args.compare)
             try:
-                ref = summary(args.compare, run(tree, Path(tmp) / "ref", args, extra), per_step)
+                ref = summary(args.compare, run(tree, Path(tmp) / "ref", args, extra), per_step, args.warmup)
             finally:
                 subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT, check=False)
             rows += [ref] + [ratios(args.compare, row, ref) for row in list(rows)]

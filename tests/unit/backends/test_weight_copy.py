@@ -166,3 +166,63 @@ def test_a_published_copy_stays_unwritten_while_engines_may_compute_on_it(tiny_m
     assert backend.publish_in_place(torch.bfloat16, _shared)
     assert all(torch.equal(backend.bucket_in_place(b), _cast(backend, b)) for b in plan.buckets)
     assert private.publish_in_place(torch.float32, _shared) is False  # the copy is bf16; fp32 buckets are copied
+
+
+def test_the_in_place_memo_lasts_until_the_copy_is_written(tiny_model_path, tmp_path):
+    """``in_place_memo``: what a sync computed of the copy's bytes (its digests, after the step) lasts until they are
+    written: an optimizer step, a write the version counters show, a checkpoint load, a move into shared memory. A
+    refresh that writes nothing keeps it; the fp32 weights, which fused AdamW writes uncounted, have none."""
+    backend = TorchBackend(TorchBackendConfig(**BF16), OptimizerConfig(lr=1e-3), tiny_model_path)
+    plan = backend.sync_plan(torch.bfloat16, bucket_bytes=1 << 19)
+    fp32 = backend.sync_plan(torch.float32, bucket_bytes=1 << 19)
+    assert all(backend.in_place_memo(backend.bucket_in_place(b)) is None for b in fp32.buckets)
+
+    def memo() -> dict:  # the copy's, whichever bucket asks; the marker put in it before the last write
+        memos = [backend.in_place_memo(backend.bucket_in_place(b)) for b in plan.buckets]
+        assert len(plan.buckets) > 1 and all(m is memos[0] for m in memos)
+        return memos[0]
+
+    def written(write) -> bool:
+        memo()["marker"] = True
+        write()
+        return "marker" not in memo()
+
+    def counted_write():
+        with torch.no_grad():
+            next(backend.hf_model.parameters()).add_(1.0)
+
+    assert not written(lambda: None)
+    assert written(lambda: RLStep(backend, ObjectiveConfig()).update(_grouped_batch(seed=0)))
+    assert written(counted_write)
+    backend.save(str(tmp_path / "ckpt"))
+    assert written(lambda: backend.load(str(tmp_path / "ckpt")))
+    assert written(lambda: backend.publish_in_place(torch.bfloat16, _shared))
+
+
+def test_a_copy_written_with_digests_holds_the_cast_and_each_weight_s_digest(tiny_model_path, tmp_path):
+    """``digest_on_write``: the copy, written chunk by chunk and hashed as it is written, holds exactly the weights'
+    cast, and ``in_place_memo`` each weight's digest of every byte of it, after an optimizer step and after a
+    checkpoint load; with it off a write leaves no digests."""
+    from miles_ray.sync.digest import digest
+
+    backend = TorchBackend(TorchBackendConfig(**BF16), OptimizerConfig(lr=1e-3), tiny_model_path)
+    copy, step = backend.weight_copy, RLStep(backend, ObjectiveConfig())
+
+    def holds_the_cast_and_its_digests() -> bool:
+        tensors = copy.tensors()
+        written = backend.in_place_memo(next(iter(tensors.values()))).get("digests")
+        assert written is not None and set(written) == set(tensors) == set(copy.names)
+        for name, p in zip(copy.names, copy.params):
+            assert torch.equal(tensors[name], p.detach().to(torch.bfloat16))
+            assert written[name] == ((tensors[name].data_ptr(), tensors[name].numel()), digest(name, tensors[name]))
+        return True
+
+    step.update(_grouped_batch(seed=0))
+    assert "digests" not in copy.memo
+    backend.digest_on_write(True)
+    step.update(_grouped_batch(seed=1))
+    assert holds_the_cast_and_its_digests()
+    backend.save(str(tmp_path / "ckpt"))
+    step.update(_grouped_batch(seed=2))
+    backend.load(str(tmp_path / "ckpt"))
+    assert holds_the_cast_and_its_digests()

@@ -13,10 +13,7 @@ run does by default) and ``sampled`` (1/64 of the bytes hashed: ``WeightBroadcas
 
 Each sync is timed right after one run of its reference, so both sample the same moments of a machine whose memory
 speed drifts (on a 2-core VM the same copy took 19-50 ms within a minute); a row's ``fraction`` is the best
-reference over the best sync of those pairs. Before each pair, trainer rank 0 writes its weight copy again, as an
-optimizer step ends (``step_write``), timed apart in ``step_write_seconds``: where the sync verifies every byte,
-that write also takes the copy's digests (``WeightCopy.digest_on_write``), which the sync then uses instead of
-hashing; a run spends them in the step, not the sync.
+reference over the best sync of those pairs.
 
     python benchmarks/weight_sync.py --model smollm2-135m --engines 1
     python benchmarks/weight_sync.py --dtype bfloat16      # bf16 engines: the sync sends bf16 (half the bytes)
@@ -129,45 +126,27 @@ class Gloo:
         return max(ray.get([peer.run.remote(self.sizes) for peer in self.peers]))
 
 
-def best_sync(transport: str, verify: bool | str, reference) -> tuple[dict, float, float | None]:
-    """The fastest of ``--repeats`` syncs, and the fastest of the reference runs, one right before each sync.
-
-    Also the fastest write of the weight copy before a sync (``step_write``; None without a copy).
-    """
+def best_sync(transport: str, verify: bool | str, reference) -> tuple[dict, float]:
+    """The fastest of ``--repeats`` syncs, and the fastest of the reference runs, one right before each sync."""
     config = WeightBroadcasterConfig(transport=transport, verify=verify, bucket_bytes=args.bucket_mb << 20)
     wb = WeightBroadcaster.remote(config, workers, engines)
     ray.get(wb.sync.remote(0))  # warm-up: group setup, buffers allocated and mapped
-    runs = []
-    for i in range(args.repeats):
-        write_s = ray.get(workers[0].__ray_call__.remote(step_write))
-        runs.append((write_s, reference(), ray.get(wb.sync.remote(i + 1))))
+    pairs = [(reference(), ray.get(wb.sync.remote(i + 1))) for i in range(args.repeats)]
     ray.kill(wb)
-    best = min((r for _, _, r in runs), key=lambda r: r["seconds"])
-    writes = [w for w, _, _ in runs if w is not None]
-    return best, min(s for _, s, _ in runs), min(writes) if writes else None
-
-
-def step_write(worker) -> float | None:
-    """Run in trainer rank 0: seconds of the copy's write an optimizer step ends with (None without a copy).
-
-    The weights are unchanged here, but a sync must not find the digests of the last write: a run writes the copy
-    after every step, and a sync verifying every byte has that write take its digests (``digest_on_write``).
-    """
-    copy = worker.backend.weight_copy
-    if copy is None:
-        return None
-    start = time.perf_counter()
-    copy.refresh(force=True)
-    return time.perf_counter() - start
+    return min((r for _, r in pairs), key=lambda r: r["seconds"]), min(s for s, _ in pairs)
 
 
 def copy_write_seconds(worker, repeats: int) -> float | None:
-    """Run in the trainer rank: its best plain ``WeightCopy.refresh`` (no digests), None without a copy."""
+    """Run in the trainer rank: its best ``WeightCopy.refresh`` (what each optimizer step adds), None without a copy."""
     copy = worker.backend.weight_copy
     if copy is None:
         return None
-    copy.digest_on_write = False
-    return min(step_write(worker) for _ in range(repeats))
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        copy.refresh(force=True)
+        best = min(best, time.perf_counter() - start)
+    return best
 
 
 engine = {"model_path": path, "dtype": args.dtype}
@@ -183,10 +162,9 @@ labels = {"shared_memory": "memcpy (reference)", "broadcast": "raw gloo broadcas
 best_reference, rows = {}, []
 for transport in ["broadcast", "shared_memory"]:
     for verify in [{"off": False, "full": True, "sampled": "sampled"}[v] for v in args.verify]:
-        r, reference_s, write_s = best_sync(transport, verify, references[transport])
+        r, reference_s = best_sync(transport, verify, references[transport])
         best_reference[transport] = min(best_reference.get(transport, reference_s), reference_s)
         row = {"transport": transport, "verify": verify, "seconds": r["seconds"], "reference_seconds": reference_s}
-        row["step_write_seconds"] = write_s  # the copy's write before the sync, in the step (not in the sync)
         rows.append(row | {"fraction": reference_s / r["seconds"]})  # of the reference's speed on the same bytes
 rows[:0] = [{"transport": labels[t], "verify": None, "seconds": best_reference[t], "fraction": 1.0} for t in references]
 # the trainer keeps a copy where its autocast "auto" is bf16 (this CPU computes bf16 natively), with DDP

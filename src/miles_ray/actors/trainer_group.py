@@ -35,7 +35,7 @@ from miles_ray.backends.torch_parallel import TorchBackendConfig
 from miles_ray.config import StrictConfig, kind_union
 from miles_ray.hooks import HookContext, Hooks, TrainerHooksConfig
 from miles_ray.placement.groups import Placement
-from miles_ray.sync.buckets import Bucket, SyncPlan
+from miles_ray.sync.buckets import SyncPlan
 from miles_ray.sync.checksum import sent_checksums
 from miles_ray.sync.digest import TensorDigests
 from miles_ray.sync.shm import BucketBuffers, fill_buckets, handle_of, hash_buckets, put_bucket, shared_buffer
@@ -240,7 +240,6 @@ class TrainerWorker(Worker):
         """
         sent, works = [], []
         digests = TensorDigests(sample) if verify and "full" in kinds else None
-        self.backend.digest_on_write(False)  # hashed here as it sends: the receiver's own hash is what limits it
         for bucket, flat, _ in self._gather(plan, shared=False):
             if self.rank == 0:
                 works.append(self._sync_group.broadcast(flat.view(torch.uint8), async_op=True))  # SGLang's layout
@@ -254,19 +253,6 @@ class TrainerWorker(Worker):
         checksums = sent_checksums(plan, sent, [k for k in kinds if k != "full"])
         return {**checksums, "full": digests.hexdigest()} if digests is not None else checksums
 
-    def _written_digests(self, bucket: Bucket, view: torch.Tensor) -> list[tuple] | None:
-        """Rank 0: ``(name, memory, digest)`` of every byte of a bucket in place, taken as the backend wrote it.
-
-        From its ``in_place_memo`` (``digest_on_write``, which a shared-memory sync verifying every byte turns on):
-        hashed while each chunk was in cache, in the step, instead of read again in the sync. None where the memory
-        was not written since (the first sync) or the backend took none.
-        """
-        memo = self.backend.in_place_memo(view)
-        written = None if memo is None else memo.get("digests")
-        if written is None or any(m.name not in written for m in bucket.tensors):
-            return None
-        return [(m.name, *written[m.name]) for m in bucket.tensors]
-
     def share_weight_buckets(
         self, plan: SyncPlan, to_store: bool, verify: bool, sample: int | None = None
     ) -> dict | None:
@@ -279,15 +265,13 @@ class TrainerWorker(Worker):
             On rank 0 ``{"shared": [SharedBucket], "refs": [ObjectRef] | None, "digests", "full"}``: the buckets'
             handles, for every engine on this node; object-store copies for the others (``to_store``); if
             ``verify``, the per-tensor digests (of a bucket the parameters hold in its layout taken as it is copied,
-            ``fill_buckets``; of a published one as the step wrote it, ``_written_digests``, or read on two threads;
-            of a packed one on a second thread while the next is gathered) and the ``full`` checksum they combine to
-            (``sample``: sampled digests, ``sync.digest``). None on the other ranks.
+            ``fill_buckets``; of a packed one on a second thread while the next is gathered) and the ``full``
+            checksum they combine to (``sample``: sampled digests, ``sync.digest``). None on the other ranks.
             ``shared_checksums`` gives any other checksum kind of what was sent.
 
         """
         digests = TensorDigests(sample) if verify and self.rank == 0 else None
         published = self.rank == 0 and self._publish(plan)
-        self.backend.digest_on_write(verify and sample is None and published)  # engines get the copy as it lies
         flats, hashed, copies, in_place = [], [], [], []
         with ThreadPoolExecutor(1, thread_name_prefix="digest") as helper:  # xxhash and copies release the GIL
             for bucket, flat, source in self._gather(plan, shared=True, published=published):
@@ -301,9 +285,8 @@ class TrainerWorker(Worker):
             for done in hashed:
                 done.result()  # re-raises a failed hash
             fill_buckets(copies, digests, helper)
-            rest = self._put_written(in_place, digests) if digests is not None else []
-            if rest:  # not written since the digests were last taken: hashed here on two threads
-                hash_buckets(rest, digests, helper)
+            if digests is not None and in_place:
+                hash_buckets(in_place, digests, helper)
         if self.rank != 0:
             return None
         self._shared = (plan, flats)
@@ -314,17 +297,6 @@ class TrainerWorker(Worker):
         if digests is not None:
             out.update(digests=digests.by_name(), full=digests.hexdigest())
         return out
-
-    def _put_written(self, in_place: list, digests: TensorDigests) -> list:
-        """Put the digests taken as the buckets were written (``_written_digests``); the buckets still to hash."""
-        rest = []
-        for bucket, flat in in_place:
-            written = self._written_digests(bucket, flat) if digests.sample is None else None
-            for name, memory, taken in written or ():
-                digests.put(name, memory, taken)
-            if written is None:
-                rest.append((bucket, flat))
-        return rest
 
     def shared_checksums(self, kinds: tuple[str, ...]) -> dict[str, str]:
         """Rank 0: the ``kinds`` checksums of the buckets the last ``share_weight_buckets`` sent."""

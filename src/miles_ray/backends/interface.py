@@ -167,24 +167,6 @@ class TrainBackend(LogprobModel, StepPrimitives, Protocol):
         """
         ...
 
-    def in_place_memo(self, view: torch.Tensor) -> dict | None:
-        """Rank 0: a dict of what is known of the bytes of ``view`` (a ``bucket_in_place`` view), or None.
-
-        The backend empties it whenever it writes those bytes, so what is in it holds for them; with
-        ``digest_on_write`` each write leaves ``"digests"`` in it: every tensor's digest of every byte by name, as
-        ``((address, numel), digest)``. None where the backend cannot tell when the bytes change (fused optimizers
-        write parameters without counting the write).
-        """
-        ...
-
-    def digest_on_write(self, on: bool) -> None:
-        """Rank 0: whether each write of the memory ``bucket_in_place`` views takes the digests of what it writes.
-
-        Into ``in_place_memo``, hashed while each chunk is in cache: a sync verifying every byte takes them instead of
-        reading the bytes again. A backend without such memory ignores it.
-        """
-        ...
-
     def hf_state(self, dtype: torch.dtype) -> tuple[dict[str, torch.Tensor] | None, dict[str, torch.Tensor] | None]:
         """Collective: ``(HF-named weights, LoRA adapters or None)`` on rank 0, ``(None, None)`` elsewhere."""
         ...

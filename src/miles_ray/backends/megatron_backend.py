@@ -515,13 +515,6 @@ class MegatronBackend(DataParallelOps):
         """False: no bucket is in place (``bucket_in_place``)."""
         return False
 
-    def in_place_memo(self, view: torch.Tensor) -> None:
-        """None: no bucket is in place (``bucket_in_place``)."""
-        return None
-
-    def digest_on_write(self, on: bool) -> None:
-        """Nothing to do: no bucket is in place (``bucket_in_place``)."""
-
     def hf_state(self, dtype: torch.dtype) -> tuple[dict[str, torch.Tensor] | None, None]:
         """Collective: the HF-named weights on rank 0 (a tied head once), None elsewhere; no adapters."""
         full = self._hf_tensors(dtype)

@@ -219,16 +219,6 @@ class TorchBackend(PolicyModel):
             return False
         return self.weight_copy.publish(make_buffer)
 
-    def in_place_memo(self, view: torch.Tensor) -> dict | None:
-        """The ``weight_copy``'s memo where ``view`` lies in the copy (each write empties it); else None."""
-        copy = self.weight_copy
-        return copy.memo if self.rank == 0 and copy is not None and copy.holds(view) else None
-
-    def digest_on_write(self, on: bool) -> None:
-        """Rank 0 with a ``weight_copy``: its writes take its weights' digests (``WeightCopy.digest_on_write``)."""
-        if self.rank == 0 and self.weight_copy is not None:
-            self.weight_copy.digest_on_write = on
-
     def _sync_sources(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """What a sync in ``dtype`` reads: the weight copy when it is in that dtype (no cast), else the weights."""
         if self.weight_copy is not None and self.weight_copy.dtype == dtype:

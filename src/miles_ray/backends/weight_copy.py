@@ -36,7 +36,6 @@ from collections.abc import Callable
 import torch
 
 from miles_ray.backends.flat_params import flat_base
-from miles_ray.sync.digest import copy_with_digests
 
 
 class _ReadCopy(torch.autograd.Function):
@@ -79,9 +78,6 @@ class WeightCopy:
         self._sets: list[torch.Tensor] = []  # published: the three buffers the copy moves between (``publish``)
         self._current = 0  # the set the copy is in
         self._published: list[int] = []  # the sets of the last two publications: engines may compute on them
-        # what was computed from the copy's bytes as they are now (a sync's digests of them), emptied by every write
-        self.memo: dict = {}
-        self.digest_on_write = False  # each write also takes every weight's digest into memo["digests"] (``refresh``)
 
     def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Each weight's copy in ``flat`` (one buffer of the copies), at the weight's own offset."""
@@ -104,30 +100,12 @@ class WeightCopy:
             return
         if self._current in self._published:  # engines may compute on it: write the free set
             self._move(next(i for i in range(len(self._sets)) if i not in self._published))
-        self.memo = {}  # a new dict: a holder of the old one cannot put values of the old bytes in it
-        if self._flat is not None and self.digest_on_write and self._flat[1].is_cpu:
-            self.memo["digests"] = self._write_with_digests()
-        elif self._flat is not None:
+        if self._flat is not None:
             self._flat[1].copy_(self._flat[0])
         else:
             for p, c in zip(self.params, self.copies):
                 c.copy_(p)
         self._versions = versions
-
-    def _write_with_digests(self) -> dict[str, tuple[tuple[int, int], bytes]]:
-        """Write the copy chunk by chunk, hashing each chunk's weights while it is in cache (``copy_with_digests``).
-
-        Returns each weight's ``((address, numel), digest)`` by name, every byte: what a verified sync of the copy
-        would hash (``TensorDigests.put``), for ~1/3 of the time reading the copy again takes (``digest_on_write``).
-        """
-        start = self._flat[0].storage_offset()
-        order = sorted(range(len(self.params)), key=lambda i: self.params[i].storage_offset())
-        spans = []
-        for i in order:
-            at = self.params[i].storage_offset() - start
-            spans.append((self.names[i], self.dtype, tuple(self.copies[i].shape), at, at + self.copies[i].numel()))
-        taken = copy_with_digests(spans, self._flat[1], self._flat[0])
-        return {self.names[i]: ((self.copies[i].data_ptr(), self.copies[i].numel()), d) for i, d in zip(order, taken)}
 
     def publish(self, make_buffer: Callable[[int], torch.Tensor]) -> bool:
         """Keep the copy as it is now unwritten until this is called twice more (engines compute on it meanwhile).
@@ -152,12 +130,6 @@ class WeightCopy:
         """The copy lives in set ``index`` from now on (its values are written there next)."""
         self._current, self._flat = index, (self._flat[0], self._sets[index])
         self.copies = self._views(self._sets[index])
-        self.memo = {}  # other memory: what was computed of the old set's addresses holds for it alone
-
-    def holds(self, t: torch.Tensor) -> bool:
-        """Whether ``t`` lies in the copy's memory (a view of it, as ``tensors()`` gives and a sync reads)."""
-        storage = t.untyped_storage().data_ptr()
-        return any(c.untyped_storage().data_ptr() == storage for c in self.copies)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The up-to-date copy by parameter name (views of its buffer: valid until the weights next change)."""

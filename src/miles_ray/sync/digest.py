@@ -170,27 +170,25 @@ def copy_with_digests(
     src: torch.Tensor,
     chunk_bytes: int = 2 << 20,
 ) -> list[bytes]:
-    """Copy the elements ``tensors`` span from ``src`` into ``dst``; return each one's digest, as ``digest`` gives it.
+    """Copy the bytes ``tensors`` span from ``src`` into ``dst``; return each one's digest, as ``digest`` gives it.
 
-    ``dst`` and ``src`` are 1-D CPU tensors of one length: both ``uint8`` (a byte copy), or ``src`` in another dtype,
-    cast as it is copied (a weight copy written from the fp32 weights). ``tensors`` are ``(name, dtype, shape, start,
-    end)`` element ranges of them, in order; what is hashed is what ``dst`` holds. The copy goes ``chunk_bytes`` of
-    ``dst`` at a time and the tensors' bytes in a chunk are hashed right after it is written, while it is in cache:
-    reading the bytes again from memory costs about half as much as the copy itself. One copy call per chunk and one
-    hash update per tensor and chunk keep the interpreter's share small (two threads share it).
+    ``dst`` and ``src`` are 1-D ``uint8`` CPU tensors of one size; ``tensors`` are ``(name, dtype, shape, start,
+    end)`` byte ranges of them, in order. The copy goes ``chunk_bytes`` at a time and the tensors' bytes in a chunk
+    are hashed right after it is written, while it is in cache: reading the bytes again from memory costs about
+    half as much as the copy itself. One copy call per chunk and one hash update per tensor and chunk keep the
+    interpreter's share small (two threads share it).
     """
     hashers = [xxhash.xxh3_128(_head(name, dtype, shape, None)) for name, dtype, shape, _, _ in tensors]
     if not tensors:
         return []
-    size = dst.element_size()
-    out, k, step = dst.view(torch.uint8).numpy(), 0, max(1, chunk_bytes // size)
+    out, k = dst.numpy(), 0
     first, last = tensors[0][3], tensors[-1][4]
-    for begin in range(first, last, step):
-        end = min(last, begin + step)
+    for begin in range(first, last, chunk_bytes):
+        end = min(last, begin + chunk_bytes)
         dst[begin:end].copy_(src[begin:end])
-        while k < len(tensors) and tensors[k][3] < end:  # the tensors this chunk holds elements of
+        while k < len(tensors) and tensors[k][3] < end:  # the tensors this chunk holds bytes of
             start, stop = tensors[k][3:]
-            hashers[k].update(out[max(start, begin) * size : min(stop, end) * size])
+            hashers[k].update(out[max(start, begin) : min(stop, end)])
             if stop > end:  # goes on in the next chunk
                 break
             k += 1

@@ -60,22 +60,6 @@ def test_copy_with_digests_copies_and_hashes_what_it_wrote():
     assert got == expected
 
 
-def test_copy_with_digests_casts_and_hashes_what_it_wrote():
-    """fp32 into bf16 (a weight copy written from the weights): ``dst`` holds ``Tensor.to``'s values and each digest
-    is of those bf16 bytes; element ranges, chunks of 1 KiB of ``dst`` (512 elements), a tensor across several."""
-    src = torch.randn(3000)
-    dst = torch.zeros(3000, dtype=torch.bfloat16)
-    shapes = {"a": (10,), "b": (700, 2), "e": (0,), "c": (99,)}
-    spans, at = [], 7
-    for name, shape in shapes.items():
-        n = torch.Size(shape).numel()
-        spans.append((name, torch.bfloat16, shape, at, at + n))
-        at += n
-    got = copy_with_digests(spans, dst, src, chunk_bytes=1 << 10)
-    assert torch.equal(dst[7:at], src[7:at].to(torch.bfloat16)) and not dst[:7].any() and not dst[at:].any()
-    assert got == [digest(name, src[a:b].to(torch.bfloat16).view(shape)) for name, _, shape, a, b in spans]
-
-
 def test_a_bucket_s_digests_equal_those_of_its_unpacked_tensors():
     from miles_ray.sync.buckets import plan_buckets, unpack
 

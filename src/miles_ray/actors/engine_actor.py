@@ -315,7 +315,8 @@ class EngineActorBase:
         start = time.perf_counter()
         digests = await asyncio.to_thread(receive)
         received = time.perf_counter() - start
-        report = await self._load_flats(plan, flats, True, version, verify, in_flight, digests, sample)
+        named = self._receive_buffers.unpacked(plan)  # the views of this set's last sync, if the plan is the same
+        report = await self._load_flats(plan, flats, True, version, verify, in_flight, digests, sample, named)
         return {**report, "seconds": received + report["seconds"]}  # the bytes' arrival is the sync's transfer
 
     async def _load_flats(
@@ -328,13 +329,16 @@ class EngineActorBase:
         in_flight: InFlight,
         digests: dict[str, bytes] | None = None,
         sample: int | None = None,
+        named: list[list[tuple[str, torch.Tensor]]] | None = None,
     ) -> dict:
         """Apply the received buckets (``uint8`` each) inside ``_load``.
 
         ``own``: the memory stays valid and unwritten until the next sync, so parameters may view it (no copy), and
         those that do take their tensor's entry of ``digests`` (taken with ``sample``) when the engine verifies.
+        ``named``: the buckets already unpacked (``BucketBuffers.unpacked``).
         """
-        named = [unpack(bucket, flat.view(bucket.dtype)) for bucket, flat in zip(plan.buckets, flats)]
+        if named is None:
+            named = [unpack(bucket, flat.view(bucket.dtype)) for bucket, flat in zip(plan.buckets, flats)]
         known = {n: Known(t, digests[n]) for b in named for n, t in b if n in digests} if own and digests else None
 
         def run() -> None:

@@ -245,7 +245,7 @@ class EmbeddedEngine:
         instead of being read again (``sync.digest``). ``sample``: the sampled digest (``sync.digest``).
         """
         with self._lock:
-            params = self.model.named_parameters()
+            params = self._params.items()  # named_parameters(), tied ones once, without walking the modules again
             if names is not None:
                 wanted = set(names)
                 params = ((n, p) for n, p in params if n in wanted)

@@ -140,3 +140,30 @@ def test_fill_buckets_copies_on_two_threads_and_digests_what_each_buffer_holds(s
     assert all(torch.equal(buffer, src) for _, src, buffer in copies)
     held = TensorDigests(sample).add(t for b, _, buffer in copies for t in unpack(b, buffer))
     assert digests.by_name() == held.by_name() and len(held.by_name()) == 3
+
+
+def test_a_set_s_unpacked_views_are_made_once_per_plan_and_read_its_memory():
+    """``unpacked``: the same views each time a set comes round with the same plan; new ones for another plan of the
+    same sizes (other names and shapes) and for a plan that needs other buffers."""
+    plan = plan_buckets([("a", (2, 3), torch.float32), ("b", (2,), torch.float32)], 1 << 20)
+    buffers = BucketBuffers(shared=False)
+    flats = [buffers.next(plan) for _ in range(3)]  # sets 0, 1, 0
+    views = buffers.unpacked(plan)
+    assert flats[2] is flats[0] and [n for n, _ in views[0]] == ["a", "b"]
+    flats[2][0].view(torch.float32).copy_(torch.arange(8.0))
+    assert torch.equal(views[0][0][1], torch.arange(6.0).view(2, 3)) and torch.equal(
+        views[0][1][1], torch.tensor([6.0, 7.0])
+    )
+    buffers.next(plan)  # set 1
+    assert buffers.unpacked(plan)[0][0][1].data_ptr() == flats[1][0].data_ptr()
+    buffers.next(plan)  # set 0 again: the views made for it
+    assert buffers.unpacked(plan)[0][0][1] is views[0][0][1]
+    renamed = plan_buckets([("c", (4, 2), torch.float32)], 1 << 20)  # 32 bytes as well: the same buffers
+    buffers.next(renamed)
+    buffers.next(renamed)
+    other = buffers.unpacked(renamed)[0]
+    assert [n for n, _ in other] == ["c"] and other[0][1].shape == (4, 2)
+    assert other[0][1].data_ptr() == flats[0][0].data_ptr()
+    bigger = plan_buckets([("d", (16,), torch.float32)], 1 << 20)
+    buffers.next(bigger)
+    assert buffers.unpacked(bigger)[0][0][1].numel() == 16  # new buffers, their own views

@@ -32,7 +32,7 @@ from typing import Any, Literal, Protocol, get_args
 import torch
 
 from miles_ray.engines.requests import GenerateOutput, GenerateRequest, PauseMode, check_pause_mode
-from miles_ray.sync.buckets import SyncPlan, unpack
+from miles_ray.sync.buckets import SyncPlan, unpack_plan
 from miles_ray.sync.digest import Known, TensorDigests
 from miles_ray.sync.shm import BucketBuffers, SharedBucket, as_tensor, open_buckets
 
@@ -335,10 +335,9 @@ class EngineActorBase:
 
         ``own``: the memory stays valid and unwritten until the next sync, so parameters may view it (no copy), and
         those that do take their tensor's entry of ``digests`` (taken with ``sample``) when the engine verifies.
-        ``named``: the buckets already unpacked (``BucketBuffers.unpacked``).
+        ``named``: the buckets already unpacked (``BucketBuffers.unpacked``), else ``unpack_plan`` here.
         """
-        if named is None:
-            named = [unpack(bucket, flat.view(bucket.dtype)) for bucket, flat in zip(plan.buckets, flats)]
+        named = unpack_plan(plan, flats) if named is None else named
         known = {n: Known(t, digests[n]) for b in named for n, t in b if n in digests} if own and digests else None
 
         def run() -> None:

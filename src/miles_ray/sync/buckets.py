@@ -129,3 +129,8 @@ def pack(bucket: Bucket, tensors: dict[str, torch.Tensor], out: torch.Tensor | N
 def unpack(bucket: Bucket, flat: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
     """Views of a flat buffer as the bucket's named tensors (no copy)."""
     return [(m.name, flat[m.offset : m.offset + m.numel].view(m.shape)) for m in bucket.tensors]
+
+
+def unpack_plan(plan: SyncPlan, flats: list[torch.Tensor]) -> list[list[tuple[str, torch.Tensor]]]:
+    """Each bucket of ``plan`` as its named tensors (``unpack``), from its buffer in ``flats`` (any dtype: viewed)."""
+    return [unpack(bucket, flat.view(bucket.dtype)) for bucket, flat in zip(plan.buckets, flats)]

@@ -45,7 +45,7 @@ import numpy as np
 import torch
 import torch.multiprocessing
 
-from miles_ray.sync.buckets import Bucket, SyncPlan, unpack
+from miles_ray.sync.buckets import Bucket, SyncPlan, unpack_plan
 from miles_ray.sync.digest import TensorDigests, bucket_digests, copy_with_digests
 
 if TYPE_CHECKING:
@@ -181,9 +181,7 @@ class BucketBuffers:
         """
         made = self._unpacked[self._last]
         if made is None or made[0] != plan:  # another plan of the same sizes: other names, shapes or offsets
-            flats = self._sets[self._last]
-            made = (plan, [unpack(bucket, flat.view(bucket.dtype)) for bucket, flat in zip(plan.buckets, flats)])
-            self._unpacked[self._last] = made
+            made = self._unpacked[self._last] = (plan, unpack_plan(plan, self._sets[self._last]))
         return made[1]
 
     def handles(self) -> list[SharedBucket]:

@@ -43,9 +43,9 @@ from miles_ray.engines.requests import (
     GenerateOutput,
     GenerateRequest,
     PauseMode,
-    SamplingParams,
     check_pause_mode,
 )
+from miles_ray.engines.sampling import hit_stop_string, sample_tokens
 from miles_ray.models.quant import RoundedLinear, WeightFormatConfig, apply_weight_format
 from miles_ray.sync.buckets import AdapterSpec
 from miles_ray.sync.digest import Known, TensorDigests
@@ -536,7 +536,7 @@ class EmbeddedEngine:
         """Sample the next token of rows ``first..`` from ``logits`` ``[R, V]``; retire finished rows."""
         rows = self._running[first:]
         params = [r.req.request.params for r in rows]
-        tokens, lps = _sample(logits, params, [r.gen for r in rows], self.dtype == torch.float32)
+        tokens, lps = sample_tokens(logits, params, [r.gen for r in rows], self.dtype == torch.float32)
         reasons = {}
         for b, (r, tok, lp) in enumerate(zip(rows, tokens.tolist(), lps.tolist())):
             r.tokens.append(tok)
@@ -544,7 +544,7 @@ class EmbeddedEngine:
             if r.req.on_token is not None:
                 self._stream_token(r, tok, lp)
             p = r.req.request.params
-            if tok in r.stop_ids or _hit_stop_string(self.tokenizer, r.tokens, p.stop):
+            if tok in r.stop_ids or hit_stop_string(self.tokenizer, r.tokens, p.stop):
                 reasons[first + b] = "stop"
             elif len(r.tokens) >= p.max_new_tokens:
                 reasons[first + b] = "length"
@@ -580,55 +580,6 @@ class EmbeddedEngine:
         req.on_done(GenerateOutput(req.request.request_id, list(req.completions), self._version, -1, req.first_version))
 
 
-def _sample(
-    logits: torch.Tensor, params: list[SamplingParams], gens: list[torch.Generator], exact_logprobs: bool = False
-):
-    """Draw one token per row. ``logits``: ``[R, V]`` fp32. Returns ``(tokens [R], logprobs [R])``.
-
-    Sampling is by inverse CDF with one uniform per row from the row's own generator (so a seeded
-    request is reproducible whatever else is in the batch); ``torch.multinomial`` costs ~1 ms per row on
-    a 49k vocabulary here, the batched cumsum + searchsorted a fraction of that.
-    """
-    temps = [p.temperature if p.temperature > 0 else 1.0 for p in params]
-    if any(t != 1.0 for t in temps):  # vocab-wide ops dominate sampling: skip the ones that do nothing
-        logits = logits / torch.tensor(temps, device=logits.device)[:, None]
-    logprobs_all = torch.log_softmax(logits, dim=-1)
-    tokens = logprobs_all.argmax(-1)  # greedy rows keep this
-    # the rows' generators live on the CPU whatever the device: a seed draws the same uniforms on CPU and GPU
-    u = torch.stack([torch.rand((), generator=g) for g in gens]).to(logits.device)
-    plain = [i for i, p in enumerate(params) if p.temperature > 0 and p.top_k == -1 and p.top_p == 1.0]
-    if plain:
-        rows = logprobs_all if len(plain) == len(params) else logprobs_all[plain]
-        cdf = rows.exp().cumsum_(-1)
-        pick = torch.searchsorted(cdf, (u[plain] * cdf[:, -1])[:, None], right=True)[:, 0]
-        tokens[plain] = pick.clamp(max=cdf.shape[1] - 1)
-    skip = set(plain)
-    for i, p in enumerate(params):
-        if p.temperature == 0 or i in skip:
-            continue
-        lp = logprobs_all[i]
-        k = p.top_k if p.top_k > 0 else lp.numel()
-        vals, idx = torch.topk(lp, min(k, lp.numel()))
-        cum = torch.cumsum(vals.exp(), dim=0)
-        if p.top_p < 1.0:
-            keep = int((cum < p.top_p * cum[-1]).sum()) + 1  # smallest prefix whose mass reaches top_p
-            cum = cum[:keep]
-        choice = int(torch.searchsorted(cum, u[i] * cum[-1], right=True).clamp(max=cum.numel() - 1))
-        tokens[i] = idx[choice]
-    if not exact_logprobs:
-        return tokens, logprobs_all.gather(1, tokens[:, None])[:, 0]
-    # the returned logprob from an fp64 log-sum-exp: over a 49k vocabulary the fp32 one adds up to ~1e-5
-    wide = logits.double()
-    return tokens, (wide.gather(1, tokens[:, None])[:, 0] - torch.logsumexp(wide, dim=-1)).float()
-
-
 def _fail(requests: Collection[_Request], exc: BaseException) -> None:
     for req in requests:
         req.on_error(exc)
-
-
-def _hit_stop_string(tokenizer, tokens: list[int], stop: list[str]) -> bool:
-    if not stop:
-        return False
-    tail = tokenizer.decode(tokens[-16:], skip_special_tokens=False)
-    return any(s in tail for s in stop)

@@ -214,29 +214,6 @@ def test_update_weights_validates_and_changes_output(engine):
     assert engine.weights_checksum() == before
 
 
-def test_sampler_draws_from_the_truncated_distribution():
-    from miles_ray.engines.embedded import _sample
-
-    probs = torch.tensor([0.5, 0.25, 0.15, 0.1, 0.0])
-    num = 4000
-    logits = probs.clamp(min=1e-30).log().expand(num, 5)
-    gens = [torch.Generator().manual_seed(i) for i in range(num)]
-
-    def draw(**kw):
-        tokens, lps = _sample(logits, [SamplingParams(**kw)] * num, gens)
-        return torch.bincount(tokens, minlength=5).float() / num, tokens, lps
-
-    freq, tokens, lps = draw()
-    assert (freq - probs).abs().max() < 3 * (0.25 / num) ** 0.5 and freq[4] == 0
-    torch.testing.assert_close(lps, probs.log()[tokens])  # logprob of the full distribution
-    freq, _, _ = draw(top_k=2)
-    assert freq[2:].sum() == 0 and abs(freq[0] - 2 / 3) < 0.03
-    freq, _, _ = draw(top_p=0.7)  # nucleus {0, 1}: the smallest prefix reaching 0.7
-    assert freq[2:].sum() == 0 and abs(freq[0] - 2 / 3) < 0.03
-    freq, _, _ = draw(temperature=0)
-    assert freq[0] == 1
-
-
 def test_a_prompt_that_fails_prefill_fails_alone(engine, monkeypatch):
     """Regression (#23): a prefill failure used to fail every running request with the bad one."""
     running = _submit(engine, GenerateRequest(PROMPT, SamplingParams(max_new_tokens=20, ignore_eos=True), "ok"))

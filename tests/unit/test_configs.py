@@ -24,6 +24,7 @@ from miles_ray.rewards import ReasoningGymTaskConfig
         (SamplingParams, {"top_p": 0}, "top_p"),
         (SamplingParams, {"top_k": 0}, "top_k"),
         (SamplingParams, {"n": 0}, "n"),
+        (SamplingParams, {"stop": ["</answer>", ""]}, "stop"),
         (EmbeddedEngineConfig, {"model_path": "x", "dtype": "int8"}, "dtype"),
         (EmbeddedEngineConfig, {"model_path": "x", "max_batch_size": 0}, "max_batch_size"),
         (RouterConfig, {"policy": "random"}, "policy"),

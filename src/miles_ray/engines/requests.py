@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Literal, get_args
 
 import torch
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from miles_ray.config import StrictConfig
 
@@ -66,6 +66,13 @@ class SamplingParams(StrictConfig):
         lt=2**63,
         description="Seed for this request's sampling (a signed 64-bit integer); None draws from the engine RNG.",
     )
+
+    @field_validator("stop")
+    @classmethod
+    def _nonempty_stop(cls, stop: list[str]) -> list[str]:
+        if "" in stop:  # as vLLM refuses it: every text contains "", so each response would end at its first token
+            raise ValueError("stop strings must not be empty ('' would end every response at its first token)")
+        return stop
 
     @model_validator(mode="after")
     def _check(self) -> SamplingParams:

@@ -182,6 +182,8 @@ def test_a_huge_seed_fails_alone(server):
         ("/generate", {"input_ids": PROMPT, "sampling_params": {"stop": 5}}, "sampling_params.stop"),
         ("/generate", {"input_ids": PROMPT, "return_logprob": "yes"}, "return_logprob"),
         ("/v1/completions", {"prompt": PROMPT, "stop": {"a": 1}}, "stop"),
+        ("/v1/completions", {"prompt": PROMPT, "stop": ""}, "stop"),
+        ("/generate", {"input_ids": PROMPT, "sampling_params": {"stop": ["x", ""]}}, "sampling_params.stop"),
         ("/v1/completions", {"prompt": [PROMPT, 3]}, "prompt"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": "all"}, "tools"),

@@ -63,12 +63,13 @@ def sample_tokens(
 
 
 def hit_stop_string(tokenizer, tokens: list[int], stop: list[str]) -> bool:
-    """Whether the text of ``tokens`` ends in a way that contains one of ``stop`` (checked after every token).
+    """Whether one of ``stop`` has appeared in the text of ``tokens`` (called after each token: only at its end).
 
     Only the tail is decoded, enough tokens to hold the longest stop string: a token decodes to at least one
-    character, or to one of the up to 4 bytes of one (byte-level BPE), so ``4 * len(s)`` tokens hold ``s``.
+    character, or to one of the up to 4 bytes of one (byte-level BPE), so ``4 * len(s)`` tokens hold ``s``; one
+    more keeps ``s`` off the tail's first token, whose leading space a SentencePiece tokenizer drops.
     """
     if not stop:
         return False
-    tail = tokenizer.decode(tokens[-max(STOP_TAIL_TOKENS, 4 * max(map(len, stop))) :], skip_special_tokens=False)
+    tail = tokenizer.decode(tokens[-max(STOP_TAIL_TOKENS, 4 * max(map(len, stop)) + 1) :], skip_special_tokens=False)
     return any(s in tail for s in stop)

@@ -368,3 +368,31 @@ def stop_stepping(engine) -> bool:
         return actor.loop.alive
 
     return ray.get(engine.__ray_call__.remote(stop))
+
+
+def check_a_stop_string_stays_in_the_text(router, tokenizer) -> None:
+    """Greedy twice through ``router``: given a piece of the first response's text as a stop string, the second
+    stops where the piece is complete, with the first one's tokens up to there, and its text ends with the piece;
+    both texts leave special tokens out, as the embedded engine's do (``sampling.text_through_stop``).
+
+    A random model's greedy response may repeat one special token (no text): prompts are tried until one's has
+    text to cut a piece from.
+    """
+    from miles_ray.engines.requests import GenerateRequest, SamplingParams
+
+    def complete(prompt, **params):
+        request = GenerateRequest(prompt, SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True, **params))
+        return ray.get(router.generate.remote(request), timeout=120).completions[0]
+
+    for prompt in ([1, 2, 3, 4, 5], [1000, 2000, 3000], [4321, 87, 9000, 1234], [300, 301, 302, 303]):
+        first = complete(prompt)
+        assert first.text == tokenizer.decode(first.token_ids, skip_special_tokens=True), first.text  # no specials
+        pieces = [tokenizer.decode(first.token_ids[i : i + 2], skip_special_tokens=True) for i in range(2, 20)]
+        stop = next((s for s in pieces if s.isascii() and len(s.strip()) >= 2), None)
+        if stop is not None:
+            break
+    assert stop is not None, (first.token_ids, pieces)
+    c = complete(prompt, stop=[stop])
+    assert c.finish_reason == "stop" and c.token_ids == first.token_ids[: len(c.token_ids)]
+    assert c.text.endswith(stop) and c.text.count(stop) == 1, (c.text, stop)
+    assert c.text == tokenizer.decode(c.token_ids, skip_special_tokens=True)[: len(c.text)]

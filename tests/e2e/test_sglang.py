@@ -20,6 +20,7 @@ import ray
 from helpers import SGLANG_PROMPT as PROMPT
 from helpers import (
     abort_running_request,
+    check_a_stop_string_stays_in_the_text,
     check_a_weight_load_keeps_a_pause,
     check_in_place_pause_holds_requests,
     grpo_in_step,
@@ -54,6 +55,12 @@ def test_generate_through_the_router_matches_the_trainer(stack):
     assert out.engine_id == 0 and len(out.completions) == 4
     assert all(len(c.token_ids) == len(c.logprobs) == 10 and c.finish_reason == "length" for c in out.completions)
     assert _max_diff_to_trainer(stack, out) < 1e-4  # fp32 on both sides: SGLang's logprobs are the trainer's
+
+
+def test_a_stop_string_stays_in_the_text_as_the_embedded_engine_keeps_it(stack):
+    from transformers import AutoTokenizer
+
+    check_a_stop_string_stays_in_the_text(stack["router"], AutoTokenizer.from_pretrained(stack["model_path"]))
 
 
 def test_grpo_steps_with_sglang_engines(stack):

@@ -9,6 +9,7 @@ import pytest
 import ray
 from helpers import (
     abort_running_request,
+    check_a_stop_string_stays_in_the_text,
     check_a_weight_load_keeps_a_pause,
     check_in_place_pause_holds_requests,
     max_logprob_diff,
@@ -95,6 +96,10 @@ def test_generate_through_the_router_matches_the_trainer(stack):
     again = _generate(stack, seed=1)
     assert [c.token_ids for c in again.completions] == [c.token_ids for c in out.completions]  # seeded
     assert _max_diff(out, _trainer_logprobs(stack, out)) < 1e-4  # fp32 on both sides
+
+
+def test_a_stop_string_stays_in_the_text_as_the_embedded_engine_keeps_it(stack):
+    check_a_stop_string_stays_in_the_text(stack["router"], stack["tokenizer"])
 
 
 def test_weight_update_after_a_train_step_shows_in_the_next_generation(stack):

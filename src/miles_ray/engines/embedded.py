@@ -45,7 +45,7 @@ from miles_ray.engines.requests import (
     PauseMode,
     check_pause_mode,
 )
-from miles_ray.engines.sampling import hit_stop_string, sample_tokens
+from miles_ray.engines.sampling import hit_stop_string, sample_tokens, text_through_stop
 from miles_ray.models.quant import RoundedLinear, WeightFormatConfig, apply_weight_format
 from miles_ray.sync.buckets import AdapterSpec
 from miles_ray.sync.digest import Known, TensorDigests
@@ -566,6 +566,8 @@ class EmbeddedEngine:
         for s in sorted(reasons, reverse=True):
             row = self._running[s]
             text = self.tokenizer.decode(row.tokens, skip_special_tokens=True)
+            if reasons[s] == "stop":
+                text = text_through_stop(text, row.req.request.params.stop)
             routes = torch.cat(row.routes) if row.routes else None
             row.req.completions[row.index] = Completion(row.tokens, row.logprobs, reasons[s], text, routes)
             last = len(self._running) - 1

@@ -9,6 +9,7 @@ Usage::
 
     tokens, logprobs = sample_tokens(logits, [SamplingParams(top_p=0.9)] * len(gens), gens)
     done = hit_stop_string(tokenizer, row_tokens, ["</answer>"])
+    text = text_through_stop(tokenizer.decode(row_tokens, skip_special_tokens=True), ["</answer>"])
 """
 
 from __future__ import annotations
@@ -73,3 +74,13 @@ def hit_stop_string(tokenizer, tokens: list[int], stop: list[str]) -> bool:
         return False
     tail = tokenizer.decode(tokens[-max(STOP_TAIL_TOKENS, 4 * max(map(len, stop)) + 1) :], skip_special_tokens=False)
     return any(s in tail for s in stop)
+
+
+def text_through_stop(text: str, stop: list[str]) -> str:
+    """``text`` cut right after the stop string that ended it (the one completed first), else whole.
+
+    Every engine's response text keeps the stop string, as its tokens do (the trainer trains on them), and nothing
+    decoded after it: vLLM's ``include_stop_str_in_output`` and SGLang's ``no_stop_trim`` give the same text.
+    """
+    ends = [text.find(s) + len(s) for s in stop if s in text]
+    return text[: min(ends)] if ends else text

@@ -179,10 +179,13 @@ class ServerProcess:
             pass
 
 
-def sampling_fields(params: SamplingParams, max_tokens: str, seed: str) -> dict:
-    """The sampling fields of a vLLM or SGLang request body, with the server's own names for the budget and seed.
+def sampling_fields(params: SamplingParams, max_tokens: str, seed: str, keep_stop: str) -> dict:
+    """The sampling fields of a vLLM or SGLang request body, in the server's own names (``max_tokens``, ``seed``).
 
-    Fields left unset (no stop strings, no seed) are omitted.
+    ``keep_stop``: the server's flag that keeps a stop string in the text.
+
+    The text is the one every engine gives (``sampling.text_through_stop``): the tokens decoded without special
+    tokens, through the stop string that ended them. Fields left unset (no stop strings, no seed) are omitted.
     """
     fields = {
         "n": params.n,
@@ -194,7 +197,8 @@ def sampling_fields(params: SamplingParams, max_tokens: str, seed: str) -> dict:
         "stop_token_ids": params.stop_token_ids or None,
         "ignore_eos": params.ignore_eos,
         seed: params.seed,
-        "skip_special_tokens": False,  # the token ids are what is trained; the text is for rewards and logs
+        "skip_special_tokens": True,  # as the embedded engine's text: no EOS or other special token in it
+        keep_stop: True,  # the stop string stays, as its tokens do (vLLM and SGLang cut it by default)
     }
     return {k: v for k, v in fields.items() if v is not None}
 

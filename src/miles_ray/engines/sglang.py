@@ -214,9 +214,10 @@ class SGLangServer(ServerProcess):
 
     async def generate(self, request: GenerateRequest, adapter: str | None = None) -> list[Completion]:
         """The ``n`` completions of one request (token ids, logprobs, text, finish reason), with LoRA ``adapter``."""
+        sampling = sampling_fields(request.params, "max_new_tokens", "sampling_seed", keep_stop="no_stop_trim")
         body = {
             "input_ids": request.prompt_ids,
-            "sampling_params": sampling_fields(request.params, max_tokens="max_new_tokens", seed="sampling_seed"),
+            "sampling_params": sampling,
             "return_logprob": True,
             "rid": request.request_id or None,
             "lora_path": adapter,

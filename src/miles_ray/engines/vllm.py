@@ -155,7 +155,7 @@ class VLLMServer(ServerProcess):
 
     async def generate(self, request: GenerateRequest) -> list[Completion]:
         """The ``n`` completions of one request (token ids, processed logprobs, text, finish reason)."""
-        sampling = sampling_fields(request.params, max_tokens="max_tokens", seed="seed")
+        sampling = sampling_fields(request.params, "max_tokens", "seed", keep_stop="include_stop_str_in_output")
         body = {"model": self.model_name, "prompt": request.prompt_ids, **sampling, "logprobs": 0}
         out = await self.post("/v1/completions", {**body, "return_token_ids": True})
         completions = []

@@ -367,3 +367,21 @@ def test_qwen3_families_batch_share_prefixes_and_match_hf(family, request):
                 assert torch.equal(c.routes, u.routes)
             else:
                 assert c.routes is None
+
+
+def test_a_stop_string_ends_the_response_and_stays_in_its_text(engine):
+    """Greedy twice: the second run, given a piece of the first one's text as a stop string, stops where that piece
+    is complete; its tokens are the first run's up to there and its text ends with the piece (as vLLM's and SGLang's
+    do, ``tests/e2e/helpers.check_a_stop_string_stays_in_the_text``)."""
+    greedy = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
+    [first] = engine.generate([GenerateRequest(PROMPT, SamplingParams(**greedy))])[0].completions
+    tok = engine.tokenizer
+    stop = next(
+        s
+        for i in range(2, 20)
+        if (s := tok.decode(first.token_ids[i : i + 2], skip_special_tokens=True)).isascii() and len(s.strip()) >= 2
+    )
+    [c] = engine.generate([GenerateRequest(PROMPT, SamplingParams(**greedy, stop=[stop]))])[0].completions
+    assert c.finish_reason == "stop" and c.token_ids == first.token_ids[: len(c.token_ids)]
+    assert c.text.endswith(stop) and c.text.count(stop) == 1, (c.text, stop)
+    assert c.text == tok.decode(c.token_ids, skip_special_tokens=True)[: len(c.text)]  # nothing decoded after it

@@ -76,6 +76,27 @@ def teacher_forced(hf):
 
 
 @pytest.fixture(scope="session")
+def greedy_and_a_piece():
+    """``(engine, width) -> (prompt, response, i, piece)``: a greedy response of an embedded engine (24 tokens,
+    ``ignore_eos``) and the text of its tokens ``i..i+width-1`` (``i >= 2``), found once in its text: a stop string
+    to end a second run at. A random model's greedy text often repeats itself: prompts are tried until one's has
+    such a piece."""
+    from miles_ray.engines.requests import GenerateRequest, SamplingParams
+
+    def pick(engine, width: int):
+        params = SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)
+        for prompt in ([1, 50, 60, 70, 80], [1000, 2000, 3000], [4321, 87, 9000, 1234], [300, 301, 302, 303]):
+            [first] = engine.generate([GenerateRequest(prompt, params)])[0].completions
+            for i in range(2, 20):
+                piece = engine.tokenizer.decode(first.token_ids[i : i + width], skip_special_tokens=True)
+                if piece.isascii() and len(piece.strip()) >= 2 and first.text.count(piece) == 1:
+                    return prompt, first, i, piece
+        raise AssertionError(f"no piece of {width} tokens to stop at in {first.text!r}")
+
+    return pick
+
+
+@pytest.fixture(scope="session")
 def ray_cluster():
     """One real local Ray cluster for the whole session; 8 logical CPUs so fractional actors fit on 2 cores."""
     import ray

@@ -131,7 +131,9 @@ class ChatTurnRunner:
         tools: the functions the policy may call.
         max_turns: chat calls at most.
         stream: ask for server-sent events and rebuild each turn from its chunks (same tokens and logprobs).
-        sampling: extra ``chat.completions.create`` arguments (``max_tokens``, ``temperature``, ``stop``...).
+        sampling: extra ``chat.completions.create`` arguments (``max_tokens``, ``temperature``, ``stop``...). As
+            OpenAI's, the engines cut a stop string out of the content (a reward reads the final content);
+            ``extra_body={"include_stop_str_in_output": True}`` keeps it. The tokens keep it either way.
 
     """
 

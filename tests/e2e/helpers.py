@@ -373,7 +373,8 @@ def stop_stepping(engine) -> bool:
 def check_a_stop_string_stays_in_the_text(router, tokenizer) -> None:
     """Greedy twice through ``router``: given a piece of the first response's text as a stop string, the second
     stops where the piece is complete, with the first one's tokens up to there, and its text ends with the piece;
-    both texts leave special tokens out, as the embedded engine's do (``sampling.text_through_stop``).
+    both texts leave special tokens out, as the embedded engine's do (``sampling.cut_at_stop``). The stop reason
+    names what ended a response, as vLLM's does: the stop string, a stop token id, None for a length cut.
 
     A random model's greedy response may repeat one special token (no text): prompts are tried until one's has
     text to cut a piece from.
@@ -381,8 +382,10 @@ def check_a_stop_string_stays_in_the_text(router, tokenizer) -> None:
     from miles_ray.engines.requests import GenerateRequest, SamplingParams
 
     def complete(prompt, **params):
-        request = GenerateRequest(prompt, SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True, **params))
-        return ray.get(router.generate.remote(request), timeout=120).completions[0]
+        params = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True, **params}
+        return ray.get(
+            router.generate.remote(GenerateRequest(prompt, SamplingParams(**params))), timeout=120
+        ).completions[0]
 
     for prompt in ([1, 2, 3, 4, 5], [1000, 2000, 3000], [4321, 87, 9000, 1234], [300, 301, 302, 303]):
         first = complete(prompt)
@@ -394,5 +397,9 @@ def check_a_stop_string_stays_in_the_text(router, tokenizer) -> None:
     assert stop is not None, (first.token_ids, pieces)
     c = complete(prompt, stop=[stop])
     assert c.finish_reason == "stop" and c.token_ids == first.token_ids[: len(c.token_ids)]
+    assert c.stop_reason == stop and first.stop_reason is None, (c.stop_reason, first.stop_reason)
     assert c.text.endswith(stop) and c.text.count(stop) == 1, (c.text, stop)
     assert c.text == tokenizer.decode(c.token_ids, skip_special_tokens=True)[: len(c.text)]
+    # not ignore_eos: SGLang's would ignore the stop token too (its engine refuses the pair, test_sglang.py)
+    by_token = complete(prompt, stop_token_ids=[first.token_ids[3]], ignore_eos=False)
+    assert (by_token.finish_reason, by_token.stop_reason) == ("stop", first.token_ids[3]), by_token

@@ -63,9 +63,18 @@ def test_a_stop_string_stays_in_the_text_as_the_embedded_engine_keeps_it(stack):
     check_a_stop_string_stays_in_the_text(stack["router"], AutoTokenizer.from_pretrained(stack["model_path"]))
 
 
+def test_stop_token_ids_with_ignore_eos_are_refused(stack):
+    """SGLang's ignore_eos turns off stop_token_ids too (the other engines stop at them): a clear 'no', not another
+    response; the engine serves on."""
+    request = GenerateRequest([1, 2, 3], SamplingParams(max_new_tokens=4, ignore_eos=True, stop_token_ids=[5]))
+    with pytest.raises(ValueError, match="stop_token_ids cannot be combined with ignore_eos on SGLang"):
+        ray.get(stack["router"].generate.remote(request), timeout=60)
+    assert len(_generate(stack).completions) == 4
+
+
 def test_grpo_steps_with_sglang_engines(stack):
-    # runs second, on the checkpoint's weights: after the lr 1e-2 steps below the tiny policy can be peaked enough
-    # that a group's 4 samples all get one reward (zero advantages, zero gradient)
+    # runs before any test that trains, on the checkpoint's weights: after the lr 1e-2 steps below the tiny policy
+    # can be peaked enough that a group's 4 samples all get one reward (zero advantages, zero gradient)
     version = ray.get(stack["trainer"].weight_version.remote())
     ray.get(stack["broadcast"].sync.remote(version))
     checksums = grpo_in_step(stack["trainer"], stack["router"], stack["broadcast"], stack["model_path"], steps=2)

@@ -28,6 +28,7 @@ from miles_ray.engines.embedded import EmbeddedEngine, EmbeddedEngineConfig
 from miles_ray.engines.http_server import HttpServerConfig
 from miles_ray.engines.loop import EngineLoop
 from miles_ray.engines.requests import DEFAULT_MODEL_NAME, Completion, GenerateOutput, GenerateRequest, PauseMode
+from miles_ray.engines.sampling import cut_at_stop
 from miles_ray.sync.buckets import SyncPlan
 
 
@@ -90,16 +91,18 @@ class EmbeddedEngineActor(EngineActorBase):
             seed = None if p.seed is None else p.seed * 7919 + 31 * i + len(c.token_ids)
             params = p.model_copy(update={"n": 1, "max_new_tokens": remaining, "seed": seed})
             rid = f"{request.request_id}/resume{i}@{len(c.token_ids)}"
-            parts[i] = GenerateRequest(list(request.prompt_ids) + list(c.token_ids), params, request_id=rid)
+            prompt, resumed = list(request.prompt_ids) + list(c.token_ids), request.resumed + len(c.token_ids)
+            parts[i] = GenerateRequest(prompt, params, request_id=rid, resumed=resumed)
         outs = await asyncio.gather(*(self._generate_resumable(r) for r in parts.values()))
         for i, more in zip(parts, outs):
             c, tail = out.completions[i], more.completions[0]
             tokens = list(c.token_ids) + list(tail.token_ids)
             text = self.engine.tokenizer.decode(tokens, skip_special_tokens=True)
+            text = cut_at_stop(text, tail.stop_reason)
             # the continuation re-prefilled prompt + tokens so far: its routes cover the whole sequence
             routes = tail.routes if tail.routes is not None else c.routes
             out.completions[i] = Completion(
-                tokens, list(c.logprobs) + list(tail.logprobs), tail.finish_reason, text, routes
+                tokens, list(c.logprobs) + list(tail.logprobs), tail.finish_reason, text, routes, tail.stop_reason
             )
             out.weight_version = max(out.weight_version, more.weight_version)
         return out

@@ -45,7 +45,7 @@ from miles_ray.engines.requests import (
     PauseMode,
     check_pause_mode,
 )
-from miles_ray.engines.sampling import hit_stop_string, sample_tokens, text_through_stop
+from miles_ray.engines.sampling import cut_at_stop, sample_tokens, stop_string_hit, stop_tail_length
 from miles_ray.models.quant import RoundedLinear, WeightFormatConfig, apply_weight_format
 from miles_ray.sync.buckets import AdapterSpec
 from miles_ray.sync.digest import Known, TensorDigests
@@ -153,6 +153,7 @@ class _Row:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     routes: list[torch.Tensor] = field(default_factory=list)  # MoE: experts of each fed token, in chunks
+    earlier: list[int] = field(default_factory=list)  # resumed: the response's last tokens before (stop strings span)
 
 
 class EmbeddedEngine:
@@ -286,6 +287,8 @@ class EmbeddedEngine:
             raise ValueError(f"request_id must be a string, got {type(r.request_id).__name__}")
         if not r.prompt_ids:
             raise ValueError("prompt_ids must not be empty")
+        if not 0 <= r.resumed < len(r.prompt_ids):
+            raise ValueError(f"resumed must be in [0, {len(r.prompt_ids)}) (prompt_ids' length), got {r.resumed}")
         vocab = self.model.args.vocab_size
         if min(r.prompt_ids) < 0 or max(r.prompt_ids) >= vocab:
             raise ValueError(f"prompt_ids must be in [0, {vocab}), got min {min(r.prompt_ids)} max {max(r.prompt_ids)}")
@@ -462,7 +465,7 @@ class EmbeddedEngine:
             req.first_version = self._version
             self._deliver(req)
         finished = [i for i, row in enumerate(self._running) if abort_all or row.req.request.request_id in ids]
-        self._retire({s: "abort" for s in finished})
+        self._retire({s: ("abort", None) for s in finished})
 
     def _admit(self) -> list[_Request]:
         admitted: list[_Request] = []
@@ -519,7 +522,8 @@ class EmbeddedEngine:
         seed = p.seed * 1000003 + j if p.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._rng))
         gen.manual_seed(seed % 2**64)  # derived seeds (sample j, a resumed request) may leave manual_seed's range
         stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else {self.eos_token_id})
-        return _Row(req, j, gen, stop_ids, length=len(req.request.prompt_ids))
+        prompt, resumed = req.request.prompt_ids, min(req.request.resumed, stop_tail_length(p.stop))
+        return _Row(req, j, gen, stop_ids, length=len(prompt), earlier=list(prompt[len(prompt) - resumed :]))
 
     def _decode(self) -> None:
         tokens = torch.tensor([r.tokens[-1] for r in self._running]).to(self.device)
@@ -544,10 +548,12 @@ class EmbeddedEngine:
             if r.req.on_token is not None:
                 self._stream_token(r, tok, lp)
             p = r.req.request.params
-            if tok in r.stop_ids or hit_stop_string(self.tokenizer, r.tokens, p.stop):
-                reasons[first + b] = "stop"
+            if tok in r.stop_ids:
+                reasons[first + b] = ("stop", None if tok == self.eos_token_id and not p.ignore_eos else tok)
+            elif hit := stop_string_hit(self.tokenizer, r.earlier + r.tokens if r.earlier else r.tokens, p.stop):
+                reasons[first + b] = ("stop", hit)
             elif len(r.tokens) >= p.max_new_tokens:
-                reasons[first + b] = "length"
+                reasons[first + b] = ("length", None)
         self._retire(reasons)
 
     def _stream_token(self, row: _Row, token: int, logprob: float) -> None:
@@ -558,18 +564,18 @@ class EmbeddedEngine:
             row.req.on_token = None
             self.abort(row.req.request.request_id)
 
-    def _retire(self, reasons: dict[int, str]) -> None:
-        """Finish the row in each slot of ``reasons`` (slot -> finish reason), descending.
+    def _retire(self, reasons: dict[int, tuple[str, str | int | None]]) -> None:
+        """Finish the row in each slot of ``reasons`` (slot -> finish reason, stop reason), descending.
 
         The last running row moves into each freed slot, so running rows stay in slots ``0..B-1``.
         """
         for s in sorted(reasons, reverse=True):
             row = self._running[s]
+            reason, stop = reasons[s]
             text = self.tokenizer.decode(row.tokens, skip_special_tokens=True)
-            if reasons[s] == "stop":
-                text = text_through_stop(text, row.req.request.params.stop)
+            text = cut_at_stop(text, stop)
             routes = torch.cat(row.routes) if row.routes else None
-            row.req.completions[row.index] = Completion(row.tokens, row.logprobs, reasons[s], text, routes)
+            row.req.completions[row.index] = Completion(row.tokens, row.logprobs, reason, text, routes, stop)
             last = len(self._running) - 1
             if s != last:
                 self._cache.copy_slot(last, s, self._running[last].length)

@@ -301,8 +301,8 @@ def _sglang_item(out: GenerateOutput, req: GenerateRequest, c, logprob: bool) ->
     reason = {"type": c.finish_reason}
     if c.finish_reason == "length":
         reason["length"] = len(c.token_ids)
-    elif c.finish_reason == "stop" and c.token_ids:
-        reason["matched"] = c.token_ids[-1]
+    elif c.finish_reason == "stop" and c.token_ids:  # SGLang's: the stop string, else the token (EOS too)
+        reason["matched"] = c.stop_reason if c.stop_reason is not None else c.token_ids[-1]
     meta = {
         "id": out.request_id,
         "finish_reason": reason,

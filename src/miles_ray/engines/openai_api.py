@@ -4,9 +4,15 @@ Besides the standard fields, responses carry the exact token ids (vLLM's names: 
 ``prompt_token_ids`` on the completion choice or the chat response), and ``/v1/completions`` accepts a token-id
 prompt, so an agent using the ``openai`` client yields trainable token-in/token-out trajectories.
 
+A stop string that ends a choice is cut out of its text, as OpenAI and vLLM do (its tokens stay in ``token_ids``:
+they were sampled and are trained on); ``include_stop_str_in_output: true`` (vLLM's field) keeps it. Each finished
+choice says what ended it in vLLM's ``stop_reason``: the stop string, the stop token id, or null (EOS, length).
+
 ``stream: true`` answers with server-sent events (``engines/streaming.py``); every chunk carries its
 ``token_ids`` (and logprobs when asked), the first chunk of a choice its ``prompt_token_ids``, so a streamed
-call is as trainable as a plain one. ``stream_options.include_usage`` adds a usage chunk.
+call is as trainable as a plain one. ``stream_options.include_usage`` adds a usage chunk. Text that may be the
+start of a stop string is held back until the next tokens show whether it is, so the deltas never carry a stop
+string that the whole text leaves out.
 
 Function calling: ``tools`` go to the chat template, and with ``tool_choice`` ``auto`` (the default when tools are
 given) the response text is parsed by the configured ``ToolCallParser`` into ``message.tool_calls`` (finish reason
@@ -37,12 +43,23 @@ from miles_ray.engines.http_common import (
 )
 from miles_ray.engines.loop import EngineLoop, TokenEvent
 from miles_ray.engines.requests import Completion, GenerateOutput, GenerateRequest, SamplingParams
-from miles_ray.engines.streaming import EventStream, IncrementalDetokenizer, merged, rest_of
+from miles_ray.engines.sampling import cut_at_stop
+from miles_ray.engines.streaming import EventStream, IncrementalDetokenizer, merged, rest_of, sendable
 from miles_ray.engines.tool_calls import chat_template, tool_call_parser
 
 _PARAMS = {**SAMPLING_FIELDS, "max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens"}
-# accepted fields that are not sampling params (handled, or meaningless for one served model)
-_HANDLED = {"model", "user", "logprobs", "top_logprobs", "return_token_ids", "stream", "stream_options"}
+# accepted fields that are not sampling params (handled, or meaningless for one served model); vLLM's
+# include_stop_str_in_output keeps the stop string that ended a choice in its text
+_HANDLED = {
+    "model",
+    "user",
+    "logprobs",
+    "top_logprobs",
+    "return_token_ids",
+    "stream",
+    "stream_options",
+    "include_stop_str_in_output",
+}
 _CHAT_ONLY = {"messages", "tools", "tool_choice", "parallel_tool_calls"}
 
 
@@ -81,9 +98,9 @@ class OpenAIRoutes:
         if not isinstance(prompt, list) or not prompt:
             raise RequestError("prompt must be a string, a list of token ids, or a non-empty list of those", "prompt")
         ids = [await self._encode(p) for p in prompt]
-        params, want_logprobs, usage = self._params(body, default_max=16, chat=False)
+        params, want_logprobs, usage, keep_stop = self._params(body, default_max=16, chat=False)
         reqs = [GenerateRequest(p, params, f"cmpl-{uuid.uuid4().hex[:12]}") for p in ids]
-        fmt = _TextFormat(self, ids, params.n, want_logprobs)
+        fmt = _TextFormat(self, ids, params.n, want_logprobs, params.stop, keep_stop)
         if body.get("stream"):
             return await self._stream(request, reqs, fmt, usage)
         outs = await run_requests(self.loop, reqs, self.config.max_waiting_requests)
@@ -103,9 +120,9 @@ class OpenAIRoutes:
         text = await self.tokenize.run(self._render, messages, tools or None)
         ids = await self.tokenize.run(self._text_ids, text + prefix)
         default_max = max(1, self.engine.config.max_seq_len - len(ids))  # OpenAI: up to the context limit
-        params, want_logprobs, usage = self._params(body, default_max=default_max, chat=True)
+        params, want_logprobs, usage, keep_stop = self._params(body, default_max=default_max, chat=True)
         req = GenerateRequest(ids, params, f"chatcmpl-{uuid.uuid4().hex[:12]}")
-        fmt = _ChatFormat(self, [ids], params.n, want_logprobs, parse=parse, prefix=prefix)
+        fmt = _ChatFormat(self, [ids], params.n, want_logprobs, params.stop, keep_stop, parse=parse, prefix=prefix)
         if body.get("stream"):
             return await self._stream(request, [req], fmt, usage)
         [out] = await run_requests(self.loop, [req], self.config.max_waiting_requests)
@@ -114,16 +131,17 @@ class OpenAIRoutes:
         return web.json_response(resp)
 
     # --- request parts -------------------------------------------------------------------------
-    def _params(self, body: dict, default_max: int, chat: bool) -> tuple[SamplingParams, bool, bool]:
-        """Sampling params, whether to return logprobs, and whether a stream ends with a usage chunk.
+    def _params(self, body: dict, default_max: int, chat: bool) -> tuple[SamplingParams, bool, bool, bool]:
+        """Sampling params, logprobs wanted, a usage chunk wanted, and whether stop strings stay in the text.
 
+        Stop strings stay with vLLM's ``include_stop_str_in_output: true``; OpenAI cuts them out.
         Logprobs are asked with ``logprobs: true`` in chat and ``logprobs: 0`` in completions.
         """
         own = _CHAT_ONLY if chat else {"prompt"}
         unknown = sorted(set(body) - set(_PARAMS) - _HANDLED - own)
         if unknown:
             raise RequestError(f"{unknown[0]} is not supported by the embedded engine", unknown[0])
-        for flag in ("stream", "parallel_tool_calls"):
+        for flag in ("stream", "parallel_tool_calls", "include_stop_str_in_output"):
             if body.get(flag) is not None and not isinstance(body[flag], bool):
                 raise RequestError(f"{flag} must be true or false, got {body[flag]!r}", flag)
         options = body.get("stream_options") or {}
@@ -138,7 +156,8 @@ class OpenAIRoutes:
         if "max_tokens" not in raw and "max_completion_tokens" not in raw:
             raw["max_tokens"] = default_max
         params = sampling_params(raw, _PARAMS, "")
-        return params, logprobs is not None and logprobs is not False, options.get("include_usage") is True
+        want_logprobs, usage = logprobs is not None and logprobs is not False, options.get("include_usage") is True
+        return params, want_logprobs, usage, body.get("include_stop_str_in_output") is True
 
     def _tool_choice(self, choice, tools: list[dict]) -> tuple[bool, str]:
         """``(parse tool calls, forced prefix)`` for ``tool_choice``: none | auto | required | a named function."""
@@ -257,6 +276,8 @@ class _Format:
     prompts: list[list[int]]  # per prompt, as the engine saw it
     n: int
     want_logprobs: bool
+    stop: list[str]  # the stop strings asked for
+    keep_stop: bool  # a choice's text keeps the stop string that ended it (else it is cut out)
     states: dict[int, _ChoiceState] = field(default_factory=dict)
 
     def state(self, index: int) -> _ChoiceState:
@@ -267,29 +288,34 @@ class _Format:
     def tokens(self, token_ids: list[int]) -> list[str]:
         return self.routes.tokenizer.convert_ids_to_tokens(token_ids)
 
+    def text(self, c: Completion) -> str:
+        """The choice's text: the engine's (through the stop string that ended it), less that string unless kept."""
+        return cut_at_stop(c.text, c.stop_reason, self.keep_stop)
+
 
 class _TextFormat(_Format):
     kind = kind_chunk = "text_completion"
 
     def choice(self, index: int, c: Completion) -> dict:
         """A whole ``/v1/completions`` choice."""
-        return self._choice(index, c.text, c.finish_reason, c.token_ids, c.logprobs)
+        return self._choice(index, self.text(c), c, c.token_ids, c.logprobs)
 
     def token(self, index: int, token_id: int, logprob: float) -> list[tuple[dict, dict]]:
         st = self.state(index)
-        delta = st.detok.push(token_id)
-        st.sent += delta
-        choice = self._choice(index, delta, None, [token_id], [logprob], first=not st.started)
-        st.started = True
+        st.text += st.detok.push(token_id)
+        visible = sendable(st.text, self.stop, self.keep_stop)
+        choice = self._choice(index, visible[len(st.sent) :], None, [token_id], [logprob], first=not st.started)
+        st.sent, st.started = visible, True
         return [(choice, {})]
 
     def finish(self, index: int, c: Completion, version: int) -> list[tuple[dict, dict]]:
         st = self.state(index)
-        choice = self._choice(index, rest_of(c.text, st.sent), c.finish_reason, [], [], first=not st.started)
+        choice = self._choice(index, rest_of(self.text(c), st.sent), c, [], [], first=not st.started)
         return [(choice, {"weight_version": version})]
 
-    def _choice(self, index, text, reason, token_ids, logprobs, first: bool = True) -> dict:
-        choice = {"index": index, "text": text, "finish_reason": reason, "logprobs": None, "token_ids": token_ids}
+    def _choice(self, index, text, done: Completion | None, token_ids, logprobs, first: bool = True) -> dict:
+        """Choice ``index``'s text and tokens; ``done``: the finished completion, on its last chunk."""
+        choice = {"index": index, "text": text, "logprobs": None, "token_ids": token_ids, **_finish(done)}
         if self.want_logprobs:
             choice["logprobs"] = {
                 "tokens": self.tokens(token_ids),
@@ -311,7 +337,7 @@ class _ChatFormat(_Format):
 
     def message(self, c: Completion) -> tuple[dict, str]:
         """The assistant message of ``c`` and its finish reason (``tool_calls`` when calls parsed)."""
-        text = self.prefix + c.text
+        text = self.prefix + self.text(c)
         if self.parse:
             content, calls = self.routes.parser.parse(text)
             if calls:
@@ -331,6 +357,7 @@ class _ChatFormat(_Format):
             "index": index,
             "message": message,
             "finish_reason": reason,
+            "stop_reason": c.stop_reason,
             "logprobs": logprobs,
             "token_ids": c.token_ids,
         }
@@ -338,7 +365,9 @@ class _ChatFormat(_Format):
     def token(self, index: int, token_id: int, logprob: float) -> list[tuple[dict, dict]]:
         st = self.state(index)
         st.text += st.detok.push(token_id)
-        visible = self._visible(self.prefix + st.text) if self.parse else st.text
+        visible = self.prefix + sendable(st.text, self.stop, self.keep_stop)
+        if self.parse:  # a call is sent parsed when the response ends, not as content
+            visible = sendable(visible, [self.routes.parser.start])
         delta = {"content": visible[len(st.sent) :]}
         st.sent = visible
         return [self._chunk(st, index, delta, None, [token_id], [logprob])]
@@ -353,6 +382,7 @@ class _ChatFormat(_Format):
             chunks.append(self._chunk(st, index, {**rest, "tool_calls": calls}, None, [], []))
             rest = {}
         final = self._chunk(st, index, rest, reason, [], [])
+        final[0]["stop_reason"] = c.stop_reason
         return [*chunks, (final[0], {**final[1], "weight_version": version})]
 
     def _chunk(self, st: _ChoiceState, index, delta, reason, token_ids, logprobs) -> tuple[dict, dict]:
@@ -364,18 +394,7 @@ class _ChatFormat(_Format):
             extras["prompt_token_ids"] = self.prompts[index // self.n]
             st.started = True
         choice = {"index": index, "delta": delta, "logprobs": self._logprobs(token_ids, logprobs)}
-        return {**choice, "finish_reason": reason, "token_ids": token_ids}, extras
-
-    def _visible(self, text: str) -> str:
-        """``text`` up to where a tool call starts or may be starting (a held-back partial opening)."""
-        start = self.routes.parser.start
-        at = text.find(start)
-        if at >= 0:
-            return text[:at]
-        for cut in range(min(len(start) - 1, len(text)), 0, -1):
-            if start.startswith(text[-cut:]):
-                return text[:-cut]
-        return text
+        return {**choice, "finish_reason": reason, "stop_reason": None, "token_ids": token_ids}, extras
 
     def _logprobs(self, token_ids: list[int], logprobs: list[float]) -> dict | None:
         if not self.want_logprobs:
@@ -384,3 +403,10 @@ class _ChatFormat(_Format):
         return {
             "content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []} for t, lp in pairs]
         }
+
+
+def _finish(done: Completion | None) -> dict:
+    """A choice's ``finish_reason`` and vLLM's ``stop_reason`` (the stop string or token id that ended it)."""
+    if done is None:
+        return {"finish_reason": None, "stop_reason": None}
+    return {"finish_reason": done.finish_reason, "stop_reason": done.stop_reason}

@@ -88,6 +88,9 @@ class GenerateRequest:
     prompt_ids: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
     request_id: str = ""
+    # the last `resumed` prompt ids are a response generated so far (a request continued after an abort): a stop
+    # string may start in them and end in the new tokens
+    resumed: int = 0
 
 
 @dataclass
@@ -101,6 +104,8 @@ class Completion:
     # MoE models: the experts each token fed to the model was routed to, ``[P, num_layers, top_k]`` for the first
     # P tokens of prompt + response (P = prompt + response - 1: the last sampled token is never fed); else None
     routes: torch.Tensor | None = None
+    # what ended a "stop" response, as vLLM reports it: the stop string, or the stop token id; None for EOS
+    stop_reason: str | int | None = None
 
 
 @dataclass

@@ -8,8 +8,8 @@ the top-k/top-p truncated one.
 Usage::
 
     tokens, logprobs = sample_tokens(logits, [SamplingParams(top_p=0.9)] * len(gens), gens)
-    done = hit_stop_string(tokenizer, row_tokens, ["</answer>"])
-    text = text_through_stop(tokenizer.decode(row_tokens, skip_special_tokens=True), ["</answer>"])
+    hit = stop_string_hit(tokenizer, row_tokens, ["</answer>"])  # "</answer>" once generated, else None
+    text = cut_at_stop(tokenizer.decode(row_tokens, skip_special_tokens=True), hit)
 """
 
 from __future__ import annotations
@@ -63,24 +63,32 @@ def sample_tokens(
     return tokens, (wide.gather(1, tokens[:, None])[:, 0] - torch.logsumexp(wide, dim=-1)).float()
 
 
-def hit_stop_string(tokenizer, tokens: list[int], stop: list[str]) -> bool:
-    """Whether one of ``stop`` has appeared in the text of ``tokens`` (called after each token: only at its end).
+def stop_string_hit(tokenizer, tokens: list[int], stop: list[str]) -> str | None:
+    """The first of ``stop`` (in list order, as vLLM) that has appeared in the text of ``tokens``, else None.
 
-    Only the tail is decoded, enough tokens to hold the longest stop string: a token decodes to at least one
-    character, or to one of the up to 4 bytes of one (byte-level BPE), so ``4 * len(s)`` tokens hold ``s``; one
-    more keeps ``s`` off the tail's first token, whose leading space a SentencePiece tokenizer drops.
+    Called after each token, so a stop string can only be at the text's end: only the tail is decoded, enough
+    tokens to hold the longest stop string. A token decodes to at least one character, or to one of the up to 4
+    bytes of one (byte-level BPE), so ``4 * len(s)`` tokens hold ``s``; one more keeps ``s`` off the tail's first
+    token, whose leading space a SentencePiece tokenizer drops.
     """
     if not stop:
-        return False
-    tail = tokenizer.decode(tokens[-max(STOP_TAIL_TOKENS, 4 * max(map(len, stop)) + 1) :], skip_special_tokens=False)
-    return any(s in tail for s in stop)
+        return None
+    tail = tokenizer.decode(tokens[-stop_tail_length(stop) :], skip_special_tokens=False)
+    return next((s for s in stop if s in tail), None)
 
 
-def text_through_stop(text: str, stop: list[str]) -> str:
-    """``text`` cut right after the stop string that ended it (the one completed first), else whole.
+def stop_tail_length(stop: list[str]) -> int:
+    """How many of the last tokens ``stop_string_hit`` decodes for these stop strings."""
+    return max(STOP_TAIL_TOKENS, 4 * max(map(len, stop), default=0) + 1)
 
-    Every engine's response text keeps the stop string, as its tokens do (the trainer trains on them), and nothing
-    decoded after it: vLLM's ``include_stop_str_in_output`` and SGLang's ``no_stop_trim`` give the same text.
+
+def cut_at_stop(text: str, stop_reason: str | int | None, keep: bool = True) -> str:
+    """``text`` up to the stop string that ended it (``stop_reason``), with it (``keep``) or without it.
+
+    A ``stop_reason`` that is no stop string (a stop token id, None) leaves ``text`` whole. Every engine's response
+    text keeps the stop string, as its tokens do (the trainer trains on them), and nothing decoded after it: vLLM's
+    ``include_stop_str_in_output`` and SGLang's ``no_stop_trim`` give the same text. The OpenAI routes cut it out
+    unless asked to keep it, as OpenAI and vLLM do.
     """
-    ends = [text.find(s) + len(s) for s in stop if s in text]
-    return text[: min(ends)] if ends else text
+    at = text.find(stop_reason) if isinstance(stop_reason, str) else -1
+    return text if at < 0 else text[: at + len(stop_reason) if keep else at]

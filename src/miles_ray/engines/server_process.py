@@ -184,7 +184,7 @@ def sampling_fields(params: SamplingParams, max_tokens: str, seed: str, keep_sto
 
     ``keep_stop``: the server's flag that keeps a stop string in the text.
 
-    The text is the one every engine gives (``sampling.text_through_stop``): the tokens decoded without special
+    The text is the one every engine gives (``sampling.cut_at_stop``): the tokens decoded without special
     tokens, through the stop string that ended them. Fields left unset (no stop strings, no seed) are omitted.
     """
     fields = {

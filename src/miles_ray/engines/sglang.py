@@ -213,7 +213,18 @@ class SGLangServer(ServerProcess):
         return {**env, **self.config.env}
 
     async def generate(self, request: GenerateRequest, adapter: str | None = None) -> list[Completion]:
-        """The ``n`` completions of one request (token ids, logprobs, text, finish reason), with LoRA ``adapter``."""
+        """The ``n`` completions of one request (token ids, logprobs, text, finish reason), with LoRA ``adapter``.
+
+        Raises:
+            ValueError: for ``ignore_eos`` with ``stop_token_ids``: SGLang's ``ignore_eos`` turns off every stop
+                token, where the other engines stop at them and ignore only EOS.
+
+        """
+        if request.params.ignore_eos and request.params.stop_token_ids:
+            raise ValueError(
+                "sampling_params.stop_token_ids cannot be combined with ignore_eos on SGLang engines (SGLang's "
+                "ignore_eos also ignores stop_token_ids); send one of them, or use an embedded or vLLM engine"
+            )
         sampling = sampling_fields(request.params, "max_new_tokens", "sampling_seed", keep_stop="no_stop_trim")
         body = {
             "input_ids": request.prompt_ids,
@@ -227,9 +238,15 @@ class SGLangServer(ServerProcess):
         completions = []
         for item in items:
             meta = item["meta_info"]
-            reason = {"stop": "stop", "length": "length"}.get((meta.get("finish_reason") or {}).get("type"), "abort")
+            finish = meta.get("finish_reason") or {}
+            reason = {"stop": "stop", "length": "length"}.get(finish.get("type"), "abort")
             lps = [float(lp) for lp, _tok, _text in meta.get("output_token_logprobs") or []]
-            completions.append(Completion(list(item["output_ids"]), lps, reason, item.get("text", "")))
+            # SGLang's `matched` is the EOS token too, where vLLM's stop_reason is None
+            stop = finish.get("matched")
+            stop = stop if isinstance(stop, str) or stop in request.params.stop_token_ids else None
+            completions.append(
+                Completion(list(item["output_ids"]), lps, reason, item.get("text", ""), stop_reason=stop)
+            )
         return completions
 
     async def call(self, route: str, json: dict | None = None, method: str = "POST") -> dict:

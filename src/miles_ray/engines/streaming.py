@@ -42,6 +42,24 @@ def rest_of(text: str, sent: str) -> str:
     return text[len(sent) :] if text.startswith(sent) else ""
 
 
+def sendable(text: str, marks: list[str], keep: bool = False) -> str:
+    """What of a growing ``text`` a stream may send yet.
+
+    That is ``text`` up to the first of ``marks`` in it (a stop string, a tool call's opening), or through it with
+    ``keep``; else all of it with ``keep``, and without, all but a tail that may be the start of one, which the next
+    tokens decide. The response's whole text is cut the same way, so what was sent is always a prefix of it.
+    """
+    found = [(text.find(m), text.find(m) + len(m)) for m in marks if m in text]
+    if found:
+        return text[: min(end if keep else start for start, end in found)]
+    if keep:
+        return text
+    for cut in range(min(max(map(len, marks), default=1) - 1, len(text)), 0, -1):
+        if any(m.startswith(text[-cut:]) for m in marks):
+            return text[:-cut]
+    return text
+
+
 async def merged(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, object]]:
     """Items of several streams as they come, as ``(stream index, item)``; an error in one ends all.
 

@@ -162,7 +162,8 @@ class VLLMServer(ServerProcess):
         for choice in sorted(out["choices"], key=lambda c: c["index"]):
             reason = {"stop": "stop", "length": "length"}.get(choice["finish_reason"], "abort")
             lps = choice["logprobs"]["token_logprobs"] if choice.get("logprobs") else []
-            completions.append(Completion(list(choice["token_ids"]), [float(x) for x in lps], reason, choice["text"]))
+            tokens, text, stop = list(choice["token_ids"]), choice["text"], choice.get("stop_reason")
+            completions.append(Completion(tokens, [float(x) for x in lps], reason, text, stop_reason=stop))
         return completions
 
     async def load_weights(self, named_tensors, verify: bool) -> str | None:

@@ -11,6 +11,7 @@ def engine(tiny_model_path):
 
 
 PROMPT = [1, 50, 60, 70, 80]
+GREEDY_24 = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}  # as `greedy_and_a_piece`'s
 
 
 def _submit(engine, request):
@@ -181,7 +182,7 @@ def test_stop_token_ends_response(engine):
     params = SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True, stop_token_ids=[stop_at])
     [out] = engine.generate([GenerateRequest(PROMPT, params)])
     c = out.completions[0]
-    assert c.finish_reason == "stop" and c.token_ids[-1] == stop_at
+    assert c.finish_reason == "stop" and c.token_ids[-1] == stop_at and c.stop_reason == stop_at
     assert c.token_ids == free.completions[0].token_ids[: free.completions[0].token_ids.index(stop_at) + 1]
 
 
@@ -369,19 +370,31 @@ def test_qwen3_families_batch_share_prefixes_and_match_hf(family, request):
                 assert c.routes is None
 
 
-def test_a_stop_string_ends_the_response_and_stays_in_its_text(engine):
+def test_a_stop_string_ends_the_response_and_stays_in_its_text(engine, greedy_and_a_piece):
     """Greedy twice: the second run, given a piece of the first one's text as a stop string, stops where that piece
     is complete; its tokens are the first run's up to there and its text ends with the piece (as vLLM's and SGLang's
     do, ``tests/e2e/helpers.check_a_stop_string_stays_in_the_text``)."""
-    greedy = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
-    [first] = engine.generate([GenerateRequest(PROMPT, SamplingParams(**greedy))])[0].completions
-    tok = engine.tokenizer
-    stop = next(
-        s
-        for i in range(2, 20)
-        if (s := tok.decode(first.token_ids[i : i + 2], skip_special_tokens=True)).isascii() and len(s.strip()) >= 2
-    )
-    [c] = engine.generate([GenerateRequest(PROMPT, SamplingParams(**greedy, stop=[stop]))])[0].completions
-    assert c.finish_reason == "stop" and c.token_ids == first.token_ids[: len(c.token_ids)]
+    prompt, first, _, stop = greedy_and_a_piece(engine, 2)
+    [c] = engine.generate([GenerateRequest(prompt, SamplingParams(**GREEDY_24, stop=[stop]))])[0].completions
+    assert c.finish_reason == "stop" and c.stop_reason == stop and c.token_ids == first.token_ids[: len(c.token_ids)]
     assert c.text.endswith(stop) and c.text.count(stop) == 1, (c.text, stop)
-    assert c.text == tok.decode(c.token_ids, skip_special_tokens=True)[: len(c.text)]  # nothing decoded after it
+    assert c.text == engine.tokenizer.decode(c.token_ids, skip_special_tokens=True)[: len(c.text)]  # nothing after it
+    assert first.finish_reason == "length" and first.stop_reason is None
+
+
+def test_a_resumed_request_stops_at_a_stop_string_begun_before_it(engine, greedy_and_a_piece):
+    """A request continued after an abort (``resumed``: the response so far ends its prompt) stops at a stop string
+    that started in that response, as the uninterrupted request does; without ``resumed`` it would run on."""
+    prompt, first, i, stop = greedy_and_a_piece(engine, 3)
+    whole = engine.generate([GenerateRequest(prompt, SamplingParams(**GREEDY_24, stop=[stop]))])[0].completions[0]
+    k = i + 1  # the abort fell inside the stop string: its first token is in the resumed prompt
+    params = SamplingParams(**{**GREEDY_24, "max_new_tokens": 24 - k}, stop=[stop])
+    [resumed, unaware] = [
+        engine.generate([GenerateRequest(prompt + first.token_ids[:k], params, resumed=r)])[0].completions[0]
+        for r in (k, 0)
+    ]
+    assert resumed.finish_reason == "stop" and resumed.stop_reason == stop
+    assert first.token_ids[:k] + resumed.token_ids == whole.token_ids
+    assert unaware.finish_reason == "length" and len(unaware.token_ids) == 24 - k  # the check it replaces
+    with pytest.raises(ValueError, match=r"resumed must be in \[0, 5\)"):
+        engine.generate([GenerateRequest(PROMPT, params, resumed=5)])

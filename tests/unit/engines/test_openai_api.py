@@ -220,3 +220,62 @@ def _leave_after(url: str, body: dict, headers: dict, seconds: float) -> None:
                 pass
     except requests.exceptions.RequestException:
         pass
+
+
+def _ask(client, route: str, asked, stream: bool, **kwargs) -> dict:
+    """One seeded choice for ``asked`` (a prompt for ``completions``, messages for ``chat``), plain or streamed and
+    joined: its text, token ids, finish reason and stop reason."""
+    kwargs = {"model": "tiny", "max_tokens": 24, "seed": 3, "stream": stream, **kwargs}
+    kwargs["extra_body"] = {"ignore_eos": True, **kwargs.get("extra_body", {})}
+    if route == "completions":
+        out = client.completions.create(prompt=asked, **kwargs)
+    else:
+        out = client.chat.completions.create(messages=asked, **kwargs)
+    got = {"text": "", "token_ids": [], "finish_reason": None, "stop_reason": None}
+    for c in out if stream else out.choices:
+        c = c.choices[0] if stream else c
+        text = c.text if route == "completions" else (c.delta.content if stream else c.message.content)
+        got["text"] += text or ""
+        got["token_ids"] += c.model_extra["token_ids"]
+        got["finish_reason"] = c.finish_reason or got["finish_reason"]
+        got["stop_reason"] = c.model_extra.get("stop_reason") or got["stop_reason"]
+    return got
+
+
+def _across_tokens(text: str, token_ids: list[int], tokenizer) -> str | None:
+    """Three characters of the last two thirds of ``text``, across a boundary of its tokens and found once in it: a
+    stop string whose first character a stream would send too early without holding it back."""
+    ends = [len(tokenizer.decode(token_ids[:m], skip_special_tokens=True)) for m in range(1, len(token_ids))]
+    pieces = (text[b - 1 : b + 2] for b in ends if len(text) // 3 <= b - 1 and b + 2 <= len(text))
+    return next((p for p in pieces if p.isascii() and p.strip() and text.count(p) == 1), None)
+
+
+@pytest.mark.parametrize("route", ["completions", "chat"])
+def test_a_stop_string_is_cut_from_the_text_unless_kept_plain_or_streamed(server, route, tiny_model_path):
+    """As OpenAI and vLLM: the stop string that ended a choice is not in its text (its tokens stay in token_ids),
+    unless ``include_stop_str_in_output``; ``stop_reason`` names it. A stream's deltas join into the same text, so
+    they never carry a stop string the text leaves out (a partial one is held back until the next tokens) nor what a
+    kept one's last token decodes to after it. Seeded samples, as greedy text of a random model often repeats one
+    token."""
+    client = _client(server)
+    asked = PROMPT if route == "completions" else MESSAGES
+    full = _ask(client, route, asked, False)
+    from transformers import AutoTokenizer
+
+    stop = _across_tokens(full["text"], full["token_ids"], AutoTokenizer.from_pretrained(tiny_model_path))
+    assert stop is not None and full["stop_reason"] is None, full
+    text, at = full["text"], full["text"].index(stop)
+    for stream in (False, True):
+        cut = _ask(client, route, asked, stream, stop=[stop])
+        kept = _ask(client, route, asked, stream, stop=[stop], extra_body={"include_stop_str_in_output": True})
+        assert cut["text"] == text[:at] and kept["text"] == text[: at + len(stop)], (stream, cut, kept, stop)
+        for got in (cut, kept):
+            assert (got["finish_reason"], got["stop_reason"]) == ("stop", stop)
+            assert got["token_ids"] == full["token_ids"][: len(got["token_ids"])] and got["token_ids"]
+    r = requests.post(
+        f"{server}/v1/completions",
+        json={"prompt": PROMPT, "max_tokens": 2, "include_stop_str_in_output": "yes"},
+        headers={"Authorization": f"Bearer {KEY}"},
+        timeout=60,
+    )
+    assert r.status_code == 400 and "include_stop_str_in_output must be true or false" in r.text, r.text

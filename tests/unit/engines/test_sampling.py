@@ -3,7 +3,7 @@ import torch
 from transformers import AutoTokenizer
 
 from miles_ray.engines.requests import SamplingParams
-from miles_ray.engines.sampling import STOP_TAIL_TOKENS, hit_stop_string, sample_tokens
+from miles_ray.engines.sampling import STOP_TAIL_TOKENS, cut_at_stop, sample_tokens, stop_string_hit
 
 
 def test_sampler_draws_from_the_truncated_distribution():
@@ -46,6 +46,30 @@ def test_a_stop_string_is_found_at_the_end_of_the_text_however_many_tokens_it_sp
     stop = " ".join(["wait"] * words) + " done"
     tokens = tokenizer.encode("The answer is 4. " + stop, add_special_tokens=False)
     assert words < 10 or len(tokenizer.encode(stop, add_special_tokens=False)) > STOP_TAIL_TOKENS
-    assert hit_stop_string(tokenizer, tokens, ["never", stop])
-    assert not hit_stop_string(tokenizer, tokens[:-1], [stop])  # one token short: not yet
-    assert not hit_stop_string(tokenizer, tokens, []) and not hit_stop_string(tokenizer, tokens, ["elsewhere"])
+    assert stop_string_hit(tokenizer, tokens, ["never", stop]) == stop
+    assert stop_string_hit(tokenizer, tokens[:-1], [stop]) is None  # one token short: not yet
+    assert stop_string_hit(tokenizer, tokens, []) is None and stop_string_hit(tokenizer, tokens, ["elsewhere"]) is None
+
+
+def test_the_first_stop_string_listed_is_the_one_that_ended_a_response(tokenizer):
+    """Two stop strings completed by the same token: the first listed ends the response, as vLLM decides."""
+    tokens = tokenizer.encode("The answer is 42.", add_special_tokens=False)
+    assert (
+        stop_string_hit(tokenizer, tokens, ["42.", "2."]) == "42."
+        and stop_string_hit(tokenizer, tokens, ["2.", "42."]) == "2."
+    )
+
+
+@pytest.mark.parametrize(
+    ("stop_reason", "keep", "text"),
+    [
+        ("</a>", True, "x </a>"),
+        ("</a>", False, "x "),
+        (7, True, "x </a> y"),
+        (None, False, "x </a> y"),
+        ("z", False, "x </a> y"),
+    ],
+)
+def test_a_text_is_cut_at_the_stop_string_that_ended_it(stop_reason, keep, text):
+    """Only a stop string cuts (a stop token id or None leave the text whole), with or without the string."""
+    assert cut_at_stop("x </a> y", stop_reason, keep) == text

@@ -3,7 +3,7 @@ import random
 
 import pytest
 
-from miles_ray.engines.streaming import IncrementalDetokenizer, merged, rest_of
+from miles_ray.engines.streaming import IncrementalDetokenizer, merged, rest_of, sendable
 
 
 def test_deltas_join_into_the_full_decode(tiny_model_path):
@@ -23,6 +23,23 @@ def test_deltas_join_into_the_full_decode(tiny_model_path):
             sent += delta
         full = tok.decode(ids, skip_special_tokens=True)
         assert sent + rest_of(full, sent) == full, ids
+
+
+@pytest.mark.parametrize(
+    ("text", "keep", "sent"),
+    [
+        ("say </ans", False, "say "),  # may be a stop string's start: held back
+        ("say </ans", True, "say </ans"),  # kept stop strings need no hold-back: a partial one is text either way
+        ("say </answer> more", False, "say "),  # cut before it
+        ("say </answer> more", True, "say </answer>"),  # through it, never what its last token decodes after it
+        ("say ST", False, "say "),  # the start of the other mark
+        ("say x", False, "say x"),
+        ("a STOP b </answer>", False, "a "),  # the first mark in the text wins
+    ],
+)
+def test_a_stream_sends_no_text_past_a_stop_string_it_may_cut(text, keep, sent):
+    assert sendable(text, ["</answer>", "STOP"], keep) == sent
+    assert sendable(text, [], keep) == text  # no marks: everything
 
 
 def test_merged_interleaves_and_closing_it_closes_every_stream():

@@ -22,6 +22,10 @@ from miles_ray.keys import new_key
 
 # request field -> SamplingParams field, for both APIs; unknown names are rejected, not silently ignored
 SAMPLING_FIELDS = {k: k for k in ("temperature", "top_p", "top_k", "n", "stop", "stop_token_ids", "ignore_eos", "seed")}
+# sampling fields of vLLM, SGLang and OpenAI that the embedded engine takes only at the value that changes nothing
+# (clients send them at it by default): a penalty would sample from another distribution than the policy's, whose
+# logprobs the trainer recomputes
+NEUTRAL_FIELDS = {"frequency_penalty": 0, "presence_penalty": 0, "repetition_penalty": 1}
 JSON_IN_THREAD_BYTES = 1 << 16  # bodies past this parse on a worker thread: the event loop keeps serving meanwhile
 
 
@@ -145,6 +149,20 @@ async def read_json(request: web.Request, limit_mb: int, limit_field: str, allow
     return body
 
 
+def check_neutral(key: str, value, neutral, where: str = "") -> None:
+    """Accept ``value`` of a field the engine does not implement only if it is None or ``neutral`` (no effect).
+
+    Raises:
+        RequestError: naming the field, its one accepted value and why.
+
+    """
+    if value is not None and (value != neutral or isinstance(value, bool) != isinstance(neutral, bool)):
+        raise RequestError(
+            f"{where}{key} is not supported by the embedded engine except at {neutral!r} (no effect), got {value!r}",
+            param=f"{where}{key}",
+        )
+
+
 def sampling_params(raw: dict, names: dict[str, str], where: str) -> SamplingParams:
     """Map request fields to ``SamplingParams``.
 
@@ -157,6 +175,9 @@ def sampling_params(raw: dict, names: dict[str, str], where: str) -> SamplingPar
         raise RequestError(f"{where} must be an object of sampling fields, got {type(raw).__name__}", param=where)
     values = {}
     for key, value in raw.items():
+        if key in NEUTRAL_FIELDS:
+            check_neutral(key, value, NEUTRAL_FIELDS[key], where)
+            continue
         if key not in names:
             raise RequestError(
                 f"{where}{key} is not supported by the embedded engine; supported: {sorted(names)}",

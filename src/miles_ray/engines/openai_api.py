@@ -4,6 +4,9 @@ Besides the standard fields, responses carry the exact token ids (vLLM's names: 
 ``prompt_token_ids`` on the completion choice or the chat response), and ``/v1/completions`` accepts a token-id
 prompt, so an agent using the ``openai`` client yields trainable token-in/token-out trajectories.
 
+Fields the engine does not implement are refused by name with a 400, except at the value that changes nothing,
+which clients send by default (penalties 0 or 1, ``logit_bias: {}``, ``store: false``, a text ``response_format``).
+
 A stop string that ends a choice is cut out of its text, as OpenAI and vLLM do (its tokens stay in ``token_ids``:
 they were sampled and are trained on); ``include_stop_str_in_output: true`` (vLLM's field) keeps it. Each finished
 choice says what ended it in vLLM's ``stop_reason``: the stop string, the stop token id, or null (EOS, length).
@@ -32,11 +35,13 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from miles_ray.engines.http_common import (
+    NEUTRAL_FIELDS,
     SAMPLING_FIELDS,
     HttpServerConfig,
     RequestError,
     TokenizerThread,
     admit,
+    check_neutral,
     read_json,
     run_requests,
     sampling_params,
@@ -59,7 +64,10 @@ _HANDLED = {
     "stream",
     "stream_options",
     "include_stop_str_in_output",
+    "metadata",
 }
+# OpenAI fields the engine takes only at the value that changes nothing (besides http_common.NEUTRAL_FIELDS)
+_NEUTRAL = {"logit_bias": {}, "store": False, "response_format": {"type": "text"}}
 _CHAT_ONLY = {"messages", "tools", "tool_choice", "parallel_tool_calls"}
 
 
@@ -138,7 +146,7 @@ class OpenAIRoutes:
         Logprobs are asked with ``logprobs: true`` in chat and ``logprobs: 0`` in completions.
         """
         own = _CHAT_ONLY if chat else {"prompt"}
-        unknown = sorted(set(body) - set(_PARAMS) - _HANDLED - own)
+        unknown = sorted(set(body) - set(_PARAMS) - set(NEUTRAL_FIELDS) - set(_NEUTRAL) - _HANDLED - own)
         if unknown:
             raise RequestError(f"{unknown[0]} is not supported by the embedded engine", unknown[0])
         for flag in ("stream", "parallel_tool_calls", "include_stop_str_in_output"):
@@ -152,7 +160,9 @@ class OpenAIRoutes:
         if alternatives is not None and alternatives is not False and alternatives != 0:
             name = "top_logprobs" if chat else "logprobs"
             raise RequestError(f"{name} > 0 (alternative tokens) is not supported; sampled-token logprobs are", name)
-        raw = {k: v for k, v in body.items() if k in _PARAMS and v is not None}
+        for key, neutral in _NEUTRAL.items():
+            check_neutral(key, body.get(key), neutral)
+        raw = {k: v for k, v in body.items() if (k in _PARAMS or k in NEUTRAL_FIELDS) and v is not None}
         if "max_tokens" not in raw and "max_completion_tokens" not in raw:
             raw["max_tokens"] = default_max
         params = sampling_params(raw, _PARAMS, "")

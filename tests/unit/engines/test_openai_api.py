@@ -279,3 +279,50 @@ def test_a_stop_string_is_cut_from_the_text_unless_kept_plain_or_streamed(server
         timeout=60,
     )
     assert r.status_code == 400 and "include_stop_str_in_output must be true or false" in r.text, r.text
+
+
+NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0.0, "repetition_penalty": 1, "logit_bias": {}, "store": False}
+NEUTRAL |= {"response_format": {"type": "text"}, "metadata": {"run": "a"}}
+
+
+def test_fields_at_their_neutral_value_are_accepted_and_change_nothing(server):
+    """Clients send penalties, logit_bias, store... at their defaults: the routes take them (and SGLang's /generate
+    the penalties) and answer as without them."""
+    client = _client(server)
+    kwargs = {"model": "tiny", "messages": MESSAGES, "max_tokens": 8, "seed": 5}
+    plain = client.chat.completions.create(**kwargs)
+    given = client.chat.completions.create(**kwargs, extra_body=NEUTRAL)
+    assert given.choices[0].token_ids == plain.choices[0].token_ids
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 8, "seed": 5}
+    texts = [
+        _post(server, "/v1/completions", {**body, **extra}).json()["choices"][0]["text"] for extra in ({}, NEUTRAL)
+    ]
+    assert texts[0] == texts[1]
+    sampling = {"max_new_tokens": 4, "sampling_seed": 5, "frequency_penalty": 0.0, "presence_penalty": 0.0}
+    assert _post(server, "/generate", {"input_ids": PROMPT, "sampling_params": sampling}).status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("route", "extra", "param"),
+    [
+        ("/v1/chat/completions", {"presence_penalty": 0.5}, "presence_penalty"),
+        ("/v1/completions", {"frequency_penalty": -1}, "frequency_penalty"),
+        ("/v1/completions", {"repetition_penalty": 1.2}, "repetition_penalty"),
+        ("/v1/chat/completions", {"logit_bias": {"50": 100}}, "logit_bias"),
+        ("/v1/chat/completions", {"store": True}, "store"),
+        ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+        ("/generate", {"sampling_params": {"presence_penalty": 1.0}}, "sampling_params.presence_penalty"),
+    ],
+)
+def test_fields_that_would_change_sampling_get_400_naming_them(server, route, extra, param):
+    """The engine implements no penalty or bias: a policy's samples must come from the distribution its logprobs
+    describe. A value other than the neutral one is refused, not ignored."""
+    body = {"input_ids": PROMPT} if route == "/generate" else {"model": "tiny", "max_tokens": 2}
+    body |= {"prompt": PROMPT} if route == "/v1/completions" else {"messages": MESSAGES} if "chat" in route else {}
+    r = _post(server, route, {**body, **extra})
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == param and "except at" in error["message"], r.text
+
+
+def _post(url, route, body):
+    return requests.post(f"{url}{route}", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)

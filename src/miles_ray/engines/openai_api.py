@@ -121,6 +121,7 @@ class OpenAIRoutes:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
             raise RequestError("messages must be a non-empty list of {role, content} objects", "messages")
+        messages = [_text_content(m, i) for i, m in enumerate(messages)]
         tools = body.get("tools")
         if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
             raise RequestError("tools must be a list of tool objects ({type, function})", "tools")
@@ -413,6 +414,31 @@ class _ChatFormat(_Format):
         return {
             "content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []} for t, lp in pairs]
         }
+
+
+def _text_content(message: dict, index: int) -> dict:
+    """``message`` with its content parts joined into one string, as vLLM does for a text-only chat template.
+
+    Agent frameworks send content as parts (``[{"type": "text", "text": ...}]``); a chat template wants a string.
+    The texts are joined with newlines.
+
+    Raises:
+        RequestError: naming ``messages[i].content`` (or the part) that is neither text nor null.
+
+    """
+    content, where = message.get("content"), f"messages[{index}].content"
+    if content is None or isinstance(content, str):
+        return message
+    if not isinstance(content, list):
+        raise RequestError(f"{where} must be a string, null or a list of text parts, got {content!r:.80}", where)
+    for j, part in enumerate(content):
+        if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise RequestError(
+                f"{where}[{j}] must be a text part {{type: text, text: ...}} (a text-only model), got {kind!r}",
+                f"{where}[{j}]",
+            )
+    return {**message, "content": "\n".join(part["text"] for part in content)}
 
 
 def _finish(done: Completion | None) -> dict:

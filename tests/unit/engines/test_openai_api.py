@@ -326,3 +326,25 @@ def test_fields_that_would_change_sampling_get_400_naming_them(server, route, ex
 
 def _post(url, route, body):
     return requests.post(f"{url}{route}", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+
+
+def test_content_parts_are_joined_as_text_and_other_parts_refused(server):
+    """Agent frameworks send ``content`` as a list of parts: text parts join with newlines into the string a chat
+    template renders (as vLLM does for a text-only model); an image part gets a 400 naming it, not a template error."""
+    client = _client(server)
+    parts = [{"type": "text", "text": "What is"}, {"type": "text", "text": "2 + 3?"}]
+    as_parts = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": parts}], max_tokens=2, seed=1
+    )
+    as_text = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "What is\n2 + 3?"}], max_tokens=2, seed=1
+    )
+    assert (
+        as_parts.prompt_token_ids == as_text.prompt_token_ids
+        and as_parts.choices[0].token_ids == as_text.choices[0].token_ids
+    )
+    image = [{"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": "http://x/a.png"}}]
+    for content, param in ((image, "messages[1].content[1]"), (7, "messages[1].content")):
+        body = {"model": "tiny", "max_tokens": 2, "messages": [MESSAGES[0], {"role": "user", "content": content}]}
+        r = _post(server, "/v1/chat/completions", body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text

@@ -420,15 +420,17 @@ def _text_content(message: dict, index: int) -> dict:
     """``message`` with its content parts joined into one string, as vLLM does for a text-only chat template.
 
     Agent frameworks send content as parts (``[{"type": "text", "text": ...}]``); a chat template wants a string.
-    The texts are joined with newlines.
+    The texts are joined with newlines; null content (an assistant turn that only calls tools) is the empty string.
 
     Raises:
         RequestError: naming ``messages[i].content`` (or the part) that is neither text nor null.
 
     """
     content, where = message.get("content"), f"messages[{index}].content"
-    if content is None or isinstance(content, str):
+    if isinstance(content, str):
         return message
+    if content is None:
+        return {**message, "content": ""}
     if not isinstance(content, list):
         raise RequestError(f"{where} must be a string, null or a list of text parts, got {content!r:.80}", where)
     for j, part in enumerate(content):

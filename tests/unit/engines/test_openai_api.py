@@ -330,7 +330,8 @@ def _post(url, route, body):
 
 def test_content_parts_are_joined_as_text_and_other_parts_refused(server):
     """Agent frameworks send ``content`` as a list of parts: text parts join with newlines into the string a chat
-    template renders (as vLLM does for a text-only model); an image part gets a 400 naming it, not a template error."""
+    template renders (as vLLM does for a text-only model), and null content (a turn of tool calls) is "", which the
+    model's own template could not render; an image part gets a 400 naming it, not a template error."""
     client = _client(server)
     parts = [{"type": "text", "text": "What is"}, {"type": "text", "text": "2 + 3?"}]
     as_parts = client.chat.completions.create(
@@ -343,6 +344,9 @@ def test_content_parts_are_joined_as_text_and_other_parts_refused(server):
         as_parts.prompt_token_ids == as_text.prompt_token_ids
         and as_parts.choices[0].token_ids == as_text.choices[0].token_ids
     )
+    call = {"id": "c1", "type": "function", "function": {"name": "calculator", "arguments": "{}"}}
+    null = [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [call]}, {"role": "user", "content": "So?"}]
+    assert client.chat.completions.create(model="tiny", messages=null, max_tokens=2).choices[0].token_ids  # as ""
     image = [{"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": "http://x/a.png"}}]
     for content, param in ((image, "messages[1].content[1]"), (7, "messages[1].content")):
         body = {"model": "tiny", "max_tokens": 2, "messages": [MESSAGES[0], {"role": "user", "content": content}]}

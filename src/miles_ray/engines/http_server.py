@@ -41,6 +41,7 @@ from miles_ray.engines.http_common import (
     OverloadedError,
     RequestError,
     TokenizerThread,
+    check_neutral,
     error_response,
     is_loopback,
     read_json,
@@ -50,11 +51,14 @@ from miles_ray.engines.http_common import (
 from miles_ray.engines.loop import EngineLoop
 from miles_ray.engines.openai_api import OpenAIRoutes
 from miles_ray.engines.requests import EngineDeadError, GenerateOutput, GenerateRequest, SamplingParams
+from miles_ray.engines.sampling import cut_at_stop
 from miles_ray.keys import bearer_matches, cli_key
 
 __all__ = ["EngineServer", "HttpServerConfig", "RequestError", "is_loopback", "main", "start_server"]
 
 _SGLANG_PARAMS = {**SAMPLING_FIELDS, "max_new_tokens": "max_new_tokens", "sampling_seed": "seed"}
+# SGLang's decoding flags of sampling_params, taken at SGLang's defaults only (the text leaves special tokens out)
+_DECODING_DEFAULTS = {"skip_special_tokens": True, "spaces_between_special_tokens": True}
 # routes that change what the engine serves: with HttpServerConfig.admin_api_key only that key opens them
 ADMIN_ROUTES = frozenset(
     {
@@ -150,15 +154,15 @@ class EngineServer:
         if body.get("stream"):
             raise RequestError("stream=true is not supported by the embedded engine", param="stream")
         batch, prompts = await self.tokenize.run(_prompts, body, self.tokenizer)
-        raw = body.get("sampling_params")
-        params = sampling_params({} if raw is None else raw, _SGLANG_PARAMS, "sampling_params.")
+        raw, keep_stop = _output_flags(body.get("sampling_params"))
+        params = sampling_params(raw, _SGLANG_PARAMS, "sampling_params.")
         logprob = body.get("return_logprob", False)
         if not isinstance(logprob, bool):
             raise RequestError(f"return_logprob must be true or false, got {logprob!r}", "return_logprob")
         rids = _rids(body.get("rid"), len(prompts))
         reqs = [GenerateRequest(p, params, rid) for p, rid in zip(prompts, rids)]
         outs = await run_requests(self.loop, reqs, self.config.max_waiting_requests)
-        items = [_sglang_item(out, r, c, logprob) for out, r in zip(outs, reqs) for c in out.completions]
+        items = await self.tokenize.run(_sglang_items, outs, reqs, logprob, keep_stop, self.tokenizer)
         return web.json_response(items if batch or params.n > 1 else items[0])
 
     async def flush_cache(self, request: web.Request) -> web.Response:
@@ -297,7 +301,44 @@ def _prompts(body: dict, tokenizer) -> tuple[bool, list[list[int]]]:
     raise RequestError("give input_ids (token ids) or text", "input_ids")
 
 
-def _sglang_item(out: GenerateOutput, req: GenerateRequest, c, logprob: bool) -> dict:
+def _output_flags(raw) -> tuple[dict, bool]:
+    """``sampling_params`` less SGLang's output flags, and ``no_stop_trim`` (False by default, as SGLang's).
+
+    Raises:
+        RequestError: naming a flag with another value than SGLang's default, or a ``no_stop_trim`` not a bool.
+
+    """
+    if not isinstance(raw, dict):
+        return {} if raw is None else raw, False  # sampling_params() names what is wrong with it
+    raw = dict(raw)
+    keep = raw.pop("no_stop_trim", None)
+    if keep is not None and not isinstance(keep, bool):
+        where = "sampling_params.no_stop_trim"
+        raise RequestError(f"{where} must be true or false, got {keep!r}", where)
+    for key, default in _DECODING_DEFAULTS.items():
+        check_neutral(key, raw.pop(key, None), default, "sampling_params.")
+    return raw, bool(keep)
+
+
+def _sglang_items(outs: list[GenerateOutput], reqs: list[GenerateRequest], logprob: bool, keep_stop: bool, tokenizer):
+    """The items of ``/generate``'s answer.
+
+    As SGLang's, unless ``keep_stop`` (``no_stop_trim``), a text leaves out the stop string that ended it, or the
+    text of a matched stop token (a special token, EOS, has none).
+    """
+    items, special = [], set(tokenizer.all_special_ids)
+    for out, req in zip(outs, reqs):
+        for c in out.completions:
+            text = c.text
+            if not keep_stop and isinstance(c.stop_reason, str):
+                text = cut_at_stop(text, c.stop_reason, keep=False)
+            elif not keep_stop and isinstance(c.stop_reason, int) and c.stop_reason not in special:
+                text = tokenizer.decode(c.token_ids[:-1], skip_special_tokens=True)
+            items.append(_sglang_item(out, req, c, logprob, text))
+    return items
+
+
+def _sglang_item(out: GenerateOutput, req: GenerateRequest, c, logprob: bool, text: str) -> dict:
     reason = {"type": c.finish_reason}
     if c.finish_reason == "length":
         reason["length"] = len(c.token_ids)
@@ -312,7 +353,7 @@ def _sglang_item(out: GenerateOutput, req: GenerateRequest, c, logprob: bool) ->
     }
     if logprob:
         meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(c.logprobs, c.token_ids)]
-    return {"text": c.text, "output_ids": c.token_ids, "meta_info": meta}
+    return {"text": text, "output_ids": c.token_ids, "meta_info": meta}
 
 
 async def start_server(

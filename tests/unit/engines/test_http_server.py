@@ -53,9 +53,37 @@ def test_generate_batch_and_n(server):
     assert isinstance(text["text"], str) and len(text["output_ids"]) <= 2
 
 
+def test_generate_trims_what_stopped_it_unless_no_stop_trim_as_sglang(server, tiny_model_path):
+    """SGLang's /generate cuts the stop string that ended a response, or a matched stop token's text, out of the
+    text unless ``no_stop_trim``; ``matched`` names it. The stop string spans a token boundary."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_path)
+    sampling = {"max_new_tokens": 24, "ignore_eos": True, "sampling_seed": 3}
+
+    def gen(**extra):
+        item = _post(server, "/generate", {"input_ids": PROMPT, "sampling_params": {**sampling, **extra}}).json()
+        return item["text"], item["output_ids"], item["meta_info"]["finish_reason"]
+
+    text, ids, _ = gen()
+    ends = [len(tok.decode(ids[:m], skip_special_tokens=True)) for m in range(2, len(ids))]
+    stop = next(p for b in ends if (p := text[b - 1 : b + 2]).isascii() and p.strip() and text.count(p) == 1)
+    cut, kept = gen(stop=[stop]), gen(stop=[stop], no_stop_trim=True, skip_special_tokens=True)
+    at = text.index(stop)
+    assert (cut[0], kept[0]) == (text[:at], text[: at + len(stop)]) and cut[1] == kept[1] == ids[: len(cut[1])]
+    assert cut[2] == kept[2] == {"type": "stop", "matched": stop}
+    token = ids[3]
+    by_token, kept = gen(stop_token_ids=[token]), gen(stop_token_ids=[token], no_stop_trim=True)
+    n = ids.index(token) + 1
+    assert by_token[0] == tok.decode(ids[: n - 1], skip_special_tokens=True) and by_token[1] == ids[:n]
+    assert kept[0] == tok.decode(ids[:n], skip_special_tokens=True) and by_token[2]["matched"] == token
+
+
 @pytest.mark.parametrize(
     ("body", "match"),
     [
+        ({"input_ids": [1], "sampling_params": {"skip_special_tokens": False}}, "skip_special_tokens is not supported"),
+        ({"input_ids": [1], "sampling_params": {"no_stop_trim": "yes"}}, "no_stop_trim must be true or false"),
         ({"input_ids": []}, "prompt_ids must not be empty"),
         ({"input_ids": [1] * 100, "sampling_params": {"max_new_tokens": 100}}, "exceeds max_seq_len"),
         ({"input_ids": [1], "sampling_params": {"temperature": -1}}, "sampling_params.temperature"),
@@ -185,7 +213,7 @@ def test_a_huge_seed_fails_alone(server):
         ("/v1/completions", {"prompt": PROMPT, "stop": ""}, "stop"),
         ("/generate", {"input_ids": PROMPT, "sampling_params": {"stop": ["x", ""]}}, "sampling_params.stop"),
         ("/v1/completions", {"prompt": [PROMPT, 3]}, "prompt"),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": "all"}, "tools"),
         ("/update_weights_from_tensor", {"serialized_named_tensors": "bm9wZQ==", "weight_version": "v1"}, None),
         ("/abort_request", {"rid": ["a"]}, "rid"),

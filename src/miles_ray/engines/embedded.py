@@ -39,6 +39,7 @@ from miles_ray.callables import resolve_callable
 from miles_ray.config import StrictConfig
 from miles_ray.devices import configure_host, native_bf16, rank_device
 from miles_ray.engines.requests import (
+    MAX_SEQ_LEN,
     Completion,
     GenerateOutput,
     GenerateRequest,
@@ -86,7 +87,7 @@ class EmbeddedEngineConfig(StrictConfig):
         "(Ray sets it for an engine with GPUs), else the CPU.",
     )
     max_batch_size: int = Field(64, ge=1, le=4096, description="Sequences decoded together at most (KV slots).")
-    max_seq_len: int = Field(1024, ge=8, le=131072, description="Prompt + response tokens per sequence at most.")
+    max_seq_len: int = Field(1024, ge=8, le=MAX_SEQ_LEN, description="Prompt + response tokens per sequence at most.")
     kv_cache_memory_gb: float = Field(
         2.0, gt=0.0, le=4096.0, description="KV cache budget; caps the slots at budget / bytes of one slot."
     )

@@ -107,7 +107,7 @@ class OpenAIRoutes:
             raise RequestError("prompt must be a string, a list of token ids, or a non-empty list of those", "prompt")
         ids = [await self._encode(p) for p in prompt]
         params, want_logprobs, usage, keep_stop = self._params(body, default_max=16, chat=False)
-        reqs = [GenerateRequest(p, params, f"cmpl-{uuid.uuid4().hex[:12]}") for p in ids]
+        reqs = [GenerateRequest(p, self._fit(p, params, "prompt"), f"cmpl-{uuid.uuid4().hex[:12]}") for p in ids]
         fmt = _TextFormat(self, ids, params.n, want_logprobs, params.stop, keep_stop)
         if body.get("stream"):
             return await self._stream(request, reqs, fmt, usage)
@@ -128,9 +128,10 @@ class OpenAIRoutes:
         parse, prefix = self._tool_choice(body.get("tool_choice"), tools or [])
         text = await self.tokenize.run(self._render, messages, tools or None)
         ids = await self.tokenize.run(self._text_ids, text + prefix)
-        default_max = max(1, self.engine.config.max_seq_len - len(ids))  # OpenAI: up to the context limit
+        # OpenAI: up to the context limit (_fit says so when the prompt leaves no room)
+        default_max = max(1, self.engine.config.max_seq_len - len(ids))
         params, want_logprobs, usage, keep_stop = self._params(body, default_max=default_max, chat=True)
-        req = GenerateRequest(ids, params, f"chatcmpl-{uuid.uuid4().hex[:12]}")
+        req = GenerateRequest(ids, self._fit(ids, params, "messages"), f"chatcmpl-{uuid.uuid4().hex[:12]}")
         fmt = _ChatFormat(self, [ids], params.n, want_logprobs, params.stop, keep_stop, parse=parse, prefix=prefix)
         if body.get("stream"):
             return await self._stream(request, [req], fmt, usage)
@@ -169,6 +170,25 @@ class OpenAIRoutes:
         params = sampling_params(raw, _PARAMS, "")
         want_logprobs, usage = logprobs is not None and logprobs is not False, options.get("include_usage") is True
         return params, want_logprobs, usage, body.get("include_stop_str_in_output") is True
+
+    def _fit(self, prompt_ids: list[int], params: SamplingParams, where: str) -> SamplingParams:
+        """``params`` with ``max_tokens`` cut to what the context leaves after the prompt, as vLLM's server does.
+
+        Raises:
+            RequestError: naming ``where`` when the prompt leaves no room for one token, in the words of vLLM's
+                (and OpenAI's) context-length error, which agent frameworks recognise.
+
+        """
+        limit = self.engine.config.max_seq_len
+        room = limit - len(prompt_ids)
+        if room < 1:
+            raise RequestError(
+                f"This model's maximum context length is {limit} tokens. However, your prompt contains "
+                f"{len(prompt_ids)} input tokens, which leaves no room for output tokens. Please reduce the length "
+                f"of the {where}.",
+                where,
+            )
+        return params if params.max_new_tokens <= room else params.model_copy(update={"max_new_tokens": room})
 
     def _tool_choice(self, choice, tools: list[dict]) -> tuple[bool, str]:
         """``(parse tool calls, forced prefix)`` for ``tool_choice``: none | auto | required | a named function."""

@@ -22,6 +22,7 @@ from miles_ray.config import StrictConfig
 
 # the model name OpenAI-compatible routes report and accept when none is configured
 DEFAULT_MODEL_NAME = "default"
+MAX_SEQ_LEN = 131072  # the longest prompt + response an engine config may allow
 
 # how an engine pauses: `abort` ends running requests first (their callers get what was generated so far),
 # `in_place` keeps them in their slots to continue after `resume` (weights may change meanwhile)
@@ -53,7 +54,9 @@ class SamplingParams(StrictConfig):
     """How to sample responses for one prompt."""
 
     n: int = Field(1, ge=1, le=1024, description="Number of responses sampled for the prompt (a GRPO group).")
-    max_new_tokens: int = Field(64, ge=1, le=32768, description="Maximum generated tokens per response.")
+    max_new_tokens: int = Field(
+        64, ge=1, le=MAX_SEQ_LEN, description="Maximum generated tokens per response (the engine's context bounds it)."
+    )
     temperature: float = Field(1.0, ge=0.0, le=10.0, description="Softmax temperature; 0 means greedy.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
     top_k: int = Field(-1, ge=-1, description="Sample among the k most likely tokens; -1 disables.")

@@ -352,3 +352,17 @@ def test_content_parts_are_joined_as_text_and_other_parts_refused(server):
         body = {"model": "tiny", "max_tokens": 2, "messages": [MESSAGES[0], {"role": "user", "content": content}]}
         r = _post(server, "/v1/chat/completions", body)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_max_tokens_beyond_the_context_is_cut_to_it_and_a_prompt_that_fills_it_refused(server):
+    """As vLLM's server: ``max_tokens`` past the context (128 here) generates up to its end, and a prompt that
+    leaves no room gets the context-length error agent frameworks recognise ("maximum context length")."""
+    client = _client(server)
+    resp = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=500, extra_body={"ignore_eos": True})
+    assert resp.choices[0].finish_reason == "length" and len(resp.choices[0].token_ids) == 128 - len(PROMPT)
+    chat = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=1000, seed=1)
+    assert len(chat.choices[0].token_ids) + len(chat.prompt_token_ids) <= 128
+    r = _post(server, "/v1/completions", {"model": "tiny", "prompt": [5] * 128, "max_tokens": 1})
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == "prompt", r.text
+    assert error["message"].startswith("This model's maximum context length is 128 tokens. However, your prompt")

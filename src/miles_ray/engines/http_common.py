@@ -153,7 +153,7 @@ def check_neutral(key: str, value, neutral, where: str = "") -> None:
     """Accept ``value`` of a field the engine does not implement only if it is None or ``neutral`` (no effect).
 
     Raises:
-        RequestError: naming the field, its one accepted value and why.
+        RequestError: naming the field and its one accepted value.
 
     """
     if value is not None and (value != neutral or isinstance(value, bool) != isinstance(neutral, bool)):

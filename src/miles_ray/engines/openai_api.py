@@ -4,8 +4,10 @@ Besides the standard fields, responses carry the exact token ids (vLLM's names: 
 ``prompt_token_ids`` on the completion choice or the chat response), and ``/v1/completions`` accepts a token-id
 prompt, so an agent using the ``openai`` client yields trainable token-in/token-out trajectories.
 
-Fields the engine does not implement are refused by name with a 400, except at the value that changes nothing,
-which clients send by default (penalties 0 or 1, ``logit_bias: {}``, ``store: false``, a text ``response_format``).
+vLLM's chat fields ``chat_template_kwargs``, ``continue_final_message`` and ``add_generation_prompt`` shape the
+prompt as they do there. Fields the engine does not implement are refused by name with a 400, except at the value
+that changes nothing, which clients send by default (penalties 0 or 1, ``logit_bias: {}``, ``store: false``, a
+text ``response_format``).
 
 A stop string that ends a choice is cut out of its text, as OpenAI and vLLM do (its tokens stay in ``token_ids``:
 they were sampled and are trained on); ``include_stop_str_in_output: true`` (vLLM's field) keeps it. Each finished
@@ -66,9 +68,15 @@ _HANDLED = {
     "include_stop_str_in_output",
     "metadata",
 }
+# vLLM's chat fields that shape the prompt: whether it ends with an assistant turn's opening or continues the last
+# message (an assistant prefix), and the chat template's own variables (enable_thinking, ...)
+_TEMPLATE_FIELDS = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs")
+# apply_chat_template's own arguments, which chat_template_kwargs may not set
+_TEMPLATE_RESERVED = {"conversation", "messages", "tools", "documents", "chat_template", "tokenize", "return_dict"}
+_TEMPLATE_RESERVED |= {"return_tensors", "tokenizer_kwargs", "return_assistant_tokens_mask", *_TEMPLATE_FIELDS}
 # OpenAI fields the engine takes only at the value that changes nothing (besides http_common.NEUTRAL_FIELDS)
 _NEUTRAL = {"logit_bias": {}, "store": False, "response_format": {"type": "text"}}
-_CHAT_ONLY = {"messages", "tools", "tool_choice", "parallel_tool_calls"}
+_CHAT_ONLY = {"messages", "tools", "tool_choice", "parallel_tool_calls", *_TEMPLATE_FIELDS}
 
 
 class OpenAIRoutes:
@@ -126,7 +134,7 @@ class OpenAIRoutes:
         if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
             raise RequestError("tools must be a list of tool objects ({type, function})", "tools")
         parse, prefix = self._tool_choice(body.get("tool_choice"), tools or [])
-        text = await self.tokenize.run(self._render, messages, tools or None)
+        text = await self.tokenize.run(self._render, messages, tools or None, _template_args(body, messages))
         ids = await self.tokenize.run(self._text_ids, text + prefix)
         # OpenAI: up to the context limit (_fit says so when the prompt leaves no room)
         default_max = max(1, self.engine.config.max_seq_len - len(ids))
@@ -213,10 +221,10 @@ class OpenAIRoutes:
             )
         return True, self.parser.forced_prefix(name)
 
-    def _render(self, messages: list[dict], tools: list[dict] | None) -> str:
+    def _render(self, messages: list[dict], tools: list[dict] | None, args: dict) -> str:
         try:
             return self.tokenizer.apply_chat_template(
-                messages, tools=tools, chat_template=self.template, tokenize=False, add_generation_prompt=True
+                messages, tools=tools, chat_template=self.template, tokenize=False, **args
             )
         except Exception as exc:  # a template raises anything on messages it does not expect
             raise RequestError(f"messages do not fit the model's chat template: {exc}", "messages") from None
@@ -434,6 +442,37 @@ class _ChatFormat(_Format):
         return {
             "content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []} for t, lp in pairs]
         }
+
+
+def _template_args(body: dict, messages: list[dict]) -> dict:
+    """``apply_chat_template``'s arguments from vLLM's chat fields (``_TEMPLATE_FIELDS``).
+
+    Raises:
+        RequestError: naming a field of the wrong type, both endings asked for, a continued message that is not the
+            assistant's, or a template variable that is one of ``apply_chat_template``'s own arguments.
+
+    """
+    ends = {"add_generation_prompt": True, "continue_final_message": False}
+    for flag in ends:
+        if body.get(flag) is not None:
+            if not isinstance(body[flag], bool):
+                raise RequestError(f"{flag} must be true or false, got {body[flag]!r}", flag)
+            ends[flag] = body[flag]
+    if ends["continue_final_message"]:
+        if body.get("add_generation_prompt"):
+            raise RequestError(
+                "continue_final_message and add_generation_prompt cannot both be true", "add_generation_prompt"
+            )
+        if messages[-1].get("role") != "assistant":
+            raise RequestError("continue_final_message needs the last message to be the assistant's", "messages")
+        ends["add_generation_prompt"] = False
+    extra = body.get("chat_template_kwargs") or {}
+    if not isinstance(extra, dict) or not all(isinstance(k, str) for k in extra):
+        raise RequestError(f"chat_template_kwargs must be an object, got {extra!r:.80}", "chat_template_kwargs")
+    clash = sorted(set(extra) & _TEMPLATE_RESERVED)
+    if clash:
+        raise RequestError(f"chat_template_kwargs may not set {clash}: the route sets them", "chat_template_kwargs")
+    return {**extra, **ends}
 
 
 def _text_content(message: dict, index: int) -> dict:

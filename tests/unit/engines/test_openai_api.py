@@ -4,6 +4,7 @@ choice, and the hardened surface (client disconnects abort, the waiting queue is
 their own key)."""
 
 import asyncio
+import contextlib
 import threading
 import time
 
@@ -151,21 +152,32 @@ def test_bad_tool_and_stream_fields_get_400(server, extra, match):
     assert r.status_code == 400 and match in r.json()["error"]["message"], r.text
 
 
+@contextlib.contextmanager
+def _in_process_server(model_path: str, config):
+    """``start_server`` itself (not the CLI: its config is under test) on a small engine; yields ``(url, engine)``."""
+    from miles_ray.engines.embedded import EmbeddedEngine, EmbeddedEngineConfig
+    from miles_ray.engines.http_server import start_server
+    from miles_ray.engines.loop import EngineLoop
+
+    engine = EmbeddedEngine(EmbeddedEngineConfig(model_path=model_path, max_batch_size=2, max_seq_len=64))
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    runner, url = asyncio.run_coroutine_threadsafe(start_server(EngineLoop(engine), "tiny", config), loop).result(60)
+    try:
+        yield url, engine
+    finally:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+
+
 @pytest.fixture(scope="module")
 def paused_server(tiny_model_path):
     """An in-process server with a one-request queue bound and an admin key; yields ``(url, engine)``."""
-    from miles_ray.engines.embedded import EmbeddedEngine, EmbeddedEngineConfig
-    from miles_ray.engines.http_server import HttpServerConfig, start_server
-    from miles_ray.engines.loop import EngineLoop
+    from miles_ray.engines.http_server import HttpServerConfig
 
-    engine = EmbeddedEngine(EmbeddedEngineConfig(model_path=tiny_model_path, max_batch_size=2, max_seq_len=64))
     config = HttpServerConfig(api_key=KEY, admin_api_key="admin-key", max_waiting_requests=1)
-    loop = asyncio.new_event_loop()  # start_server itself (not a test runner): its settings are under test
-    threading.Thread(target=loop.run_forever, daemon=True).start()
-    runner, url = asyncio.run_coroutine_threadsafe(start_server(EngineLoop(engine), "tiny", config), loop).result(60)
-    yield url, engine
-    asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(30)
-    loop.call_soon_threadsafe(loop.stop)
+    with _in_process_server(tiny_model_path, config) as served:
+        yield served
 
 
 def _wait_for(condition, seconds: float = 20.0) -> bool:
@@ -366,3 +378,54 @@ def test_max_tokens_beyond_the_context_is_cut_to_it_and_a_prompt_that_fills_it_r
     error = r.json()["error"]
     assert r.status_code == 400 and error["param"] == "prompt", r.text
     assert error["message"].startswith("This model's maximum context length is 128 tokens. However, your prompt")
+
+
+THINKING_TEMPLATE = (  # ChatML whose generation prompt closes an empty think block when enable_thinking is false
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
+
+
+def test_vllm_chat_fields_shape_the_prompt(tiny_model_path, tmp_path):
+    """vLLM's ``chat_template_kwargs`` reach the template (Qwen3's enable_thinking here), ``continue_final_message``
+    continues an assistant prefix, ``add_generation_prompt: false`` leaves the turn's opening out; each prompt is
+    the template's rendering token for token, and bad combinations get a 400 naming the field."""
+    from transformers import AutoTokenizer
+
+    from miles_ray.engines.http_server import HttpServerConfig
+
+    template = tmp_path / "thinking.jinja"
+    template.write_text(THINKING_TEMPLATE)
+    tok = AutoTokenizer.from_pretrained(tiny_model_path)
+    prefix = [*MESSAGES, {"role": "assistant", "content": "The answer is"}]
+
+    def rendered(messages, **args):
+        text = tok.apply_chat_template(messages, chat_template=THINKING_TEMPLATE, tokenize=False, **args)
+        return tok(text, add_special_tokens=False)["input_ids"]
+
+    with _in_process_server(tiny_model_path, HttpServerConfig(api_key=KEY, chat_template=str(template))) as (url, _):
+
+        def prompt(messages, **extra):
+            r = _post(url, "/v1/chat/completions", {"messages": messages, "max_tokens": 1, **extra})
+            assert r.status_code == 200, r.text
+            return r.json()["prompt_token_ids"]
+
+        no_think = prompt(MESSAGES, chat_template_kwargs={"enable_thinking": False})
+        assert no_think == rendered(MESSAGES, add_generation_prompt=True, enable_thinking=False)
+        assert tok.decode(no_think).endswith("<think>\n\n</think>\n\n")
+        assert prompt(MESSAGES) == rendered(MESSAGES, add_generation_prompt=True) != no_think
+        assert prompt(MESSAGES, add_generation_prompt=False) == rendered(MESSAGES)
+        continued = prompt(prefix, continue_final_message=True)
+        assert continued == rendered(prefix, continue_final_message=True)
+        assert tok.decode(continued).endswith("The answer is")
+        for bad, param in (
+            ({"continue_final_message": True}, "messages"),  # the last message is the user's
+            ({"continue_final_message": True, "add_generation_prompt": True}, "add_generation_prompt"),
+            ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
+            ({"chat_template_kwargs": ["enable_thinking"]}, "chat_template_kwargs"),
+            ({"add_generation_prompt": "no"}, "add_generation_prompt"),
+        ):
+            messages = prefix if bad.get("add_generation_prompt") is True else MESSAGES
+            r = _post(url, "/v1/chat/completions", {"messages": messages, "max_tokens": 1, **bad})
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, (bad, r.text)

@@ -154,6 +154,8 @@ class RolloutBatch:
             -1 where none was recorded (padding, the last token); None when no sample carries routes.
         prompt_lengths: ``[B]`` prompt tokens of each sample (samples with equal prompts share them when packed,
             ``backends.packing``); None for a batch built without them.
+        filler: ``[B]`` bool, True for the rows ``shard`` adds to fill a rank's shard (they train nothing); None
+            when there are none.
 
     """
 
@@ -166,11 +168,17 @@ class RolloutBatch:
     weight_versions: torch.Tensor
     routes: torch.Tensor | None = None
     prompt_lengths: torch.Tensor | None = None
+    filler: torch.Tensor | None = None
 
     @property
     def num_samples(self) -> int:
-        """Number of samples ``B``."""
+        """Number of rows ``B`` (filler rows included)."""
         return int(self.input_ids.shape[0])
+
+    @property
+    def num_real(self) -> int:
+        """Number of samples, filler rows left out."""
+        return self.num_samples - (0 if self.filler is None else int(self.filler.sum()))
 
     def first_trained_position(self) -> int:
         """The first logprob position (``[B, T-1]`` alignment) any sample trains on; the last position if none.
@@ -222,19 +230,45 @@ class RolloutBatch:
     def shard_slice(num_samples: int, rank: int, world_size: int) -> slice:
         """The contiguous slice of ``num_samples`` that data-parallel ``rank`` trains on.
 
-        Raises:
-            ValueError: if the samples do not split evenly over the ranks.
-
+        Each rank gets ``ceil(num_samples / world_size)`` of them, the last ranks fewer (or none) when they do not
+        split evenly, as a multi-turn rollout's samples may not; ``shard`` fills those ranks up. Every rank's rows
+        thus come first in the shards' concatenation (``gather_shards``), in order, and filler rows after them.
         """
-        if num_samples % world_size:
-            raise ValueError(f"batch of {num_samples} samples does not split over {world_size} ranks")
-        per = num_samples // world_size
-        return slice(rank * per, (rank + 1) * per)
+        per = RolloutBatch.shard_size(num_samples, world_size)
+        return slice(min(rank * per, num_samples), min((rank + 1) * per, num_samples))
+
+    @staticmethod
+    def shard_size(num_samples: int, world_size: int) -> int:
+        """The rows of every rank's shard: ``ceil(num_samples / world_size)``."""
+        return -(-num_samples // world_size)
 
     def shard(self, rank: int, world_size: int) -> RolloutBatch:
-        """The contiguous slice of samples that data-parallel ``rank`` trains on (``shard_slice``)."""
-        sl = self.shard_slice(self.num_samples, rank, world_size)
-        return self.select(sl)
+        """The samples data-parallel ``rank`` trains on (``shard_slice``), filled up to the ranks' common size.
+
+        A filler row copies the first sample with no trained token, advantage or reward (``filler`` marks it): it
+        adds nothing to a loss or its normalisation, and every rank runs the same micro-batches and collectives.
+        """
+        rows = self.shard_slice(self.num_samples, rank, world_size)
+        part, missing = self.select(rows), self.shard_size(self.num_samples, world_size) - (rows.stop - rows.start)
+        if not missing:
+            return part
+        fill = self.select(torch.zeros(missing, dtype=torch.long))
+        fill.response_mask = torch.zeros_like(fill.response_mask)
+        fill.advantages, fill.rewards = torch.zeros_like(fill.advantages), torch.zeros_like(fill.rewards)
+        fill.filler = torch.ones(missing, dtype=torch.bool)
+        part.filler = torch.zeros(part.num_samples, dtype=torch.bool) if part.filler is None else part.filler
+        fields = {k: (getattr(part, k), getattr(fill, k)) for k in self.__dataclass_fields__}
+        return RolloutBatch(**{k: None if a is None else torch.cat([a, b]) for k, (a, b) in fields.items()})
+
+    @classmethod
+    def shard_rows(cls, full: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+        """Rank ``rank``'s rows of ``full`` (``[B, ...]``, aligned with a batch's samples), as ``shard`` takes them.
+
+        Zeros stand where ``shard`` adds filler rows.
+        """
+        rows = cls.shard_slice(full.shape[0], rank, world_size)
+        missing = cls.shard_size(full.shape[0], world_size) - (rows.stop - rows.start)
+        return torch.cat([full[rows], full.new_zeros((missing, *full.shape[1:]))])
 
     def select(self, rows: slice | torch.Tensor) -> RolloutBatch:
         """The batch of the samples in ``rows`` (a slice, or a ``LongTensor`` of rows)."""

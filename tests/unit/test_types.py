@@ -26,10 +26,27 @@ def test_sample_length_mismatch_is_rejected():
         Sample(prompt_ids=[1], response_ids=[2, 3], rollout_logprobs=[-1.0])
 
 
-def test_uneven_shard_is_rejected():
-    s = Sample(prompt_ids=[1], response_ids=[2], rollout_logprobs=[-1.0])
-    with pytest.raises(ValueError, match="does not split over 2 ranks"):
-        RolloutBatch.from_samples([s, s, s], pad_id=0).shard(0, 2)
+@pytest.mark.parametrize(("num", "ranks"), [(3, 2), (17, 2), (1, 4), (5, 4), (8, 4)])
+def test_uneven_shards_are_filled_with_rows_that_train_nothing(num, ranks):
+    """A multi-turn rollout's sample count need not split over the ranks (17 over 2 crashed the tool-use example):
+    every rank gets ceil(num / ranks) rows, filler rows (no trained token, advantage or reward) last; the shards'
+    concatenation holds the samples first, in order, as ``gather_shards`` returns them."""
+    samples = [Sample([1, 2], [10 + i, 20 + i], [-0.5, -1.5], reward=1.0 + i, group_id=i) for i in range(num)]
+    b = RolloutBatch.from_samples(samples, pad_id=0, advantages=torch.arange(1.0, num + 1))
+    shards = [b.shard(r, ranks) for r in range(ranks)]
+    per = -(-num // ranks)
+    assert [s.num_samples for s in shards] == [per] * ranks and sum(s.num_real for s in shards) == num
+    whole = torch.cat([s.input_ids for s in shards])
+    assert torch.equal(whole[:num], b.input_ids)
+    filler = torch.cat([torch.zeros(s.num_samples, dtype=torch.bool) if s.filler is None else s.filler for s in shards])
+    assert filler.tolist() == [False] * num + [True] * (per * ranks - num)
+    for s in shards:
+        if s.filler is not None:
+            f = s.filler
+            assert s.response_mask[f].sum() == 0 and s.advantages[f].abs().sum() == 0 and s.rewards[f].abs().sum() == 0
+    values = torch.arange(num * 4.0).reshape(num, 4)
+    rows = torch.cat([RolloutBatch.shard_rows(values, r, ranks) for r in range(ranks)])
+    assert torch.equal(rows[:num], values) and rows[num:].abs().sum() == 0
 
 
 class _Source:

@@ -80,9 +80,9 @@ class CriticWorker(Worker):
         mask = batch.response_mask
         old = from_masked_lists(values, mask, "values")
         target = from_masked_lists(returns, mask, "returns")
-        rows = batch.shard_slice(batch.num_samples, *self.data_shard)
-        shard = batch.select(rows)
-        metrics = rl_step.value_update(self.backend, shard, old[rows], target[rows], self.config.value_clip)
+        shard, rank = batch.shard(*self.data_shard), self.data_shard
+        old_shard, target_shard = batch.shard_rows(old, *rank), batch.shard_rows(target, *rank)
+        metrics = rl_step.value_update(self.backend, shard, old_shard, target_shard, self.config.value_clip)
         metrics["explained_variance"] = explained_variance(old, target, mask)
         return metrics
 

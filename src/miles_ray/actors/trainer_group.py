@@ -144,10 +144,9 @@ class TrainerWorker(Worker):
         values = None if values is None else from_masked_lists(values, mask, "values")
         ref = None if ref_logprobs is None else from_masked_lists(ref_logprobs, mask, "ref_logprobs")
         returns, batch_metrics = self.step.prepare(batch, samples, values, ref)
-        rows = batch.shard_slice(batch.num_samples, *self.data_shard)
-        shard = batch.select(rows)
+        shard = batch.shard(*self.data_shard)
         self.hooks.call("before_train_step", self.ctx, shard)
-        metrics = self.step.update(shard, None if ref is None else ref[rows])
+        metrics = self.step.update(shard, None if ref is None else batch.shard_rows(ref, *self.data_shard))
         metrics.update(batch_metrics)
         metrics.update(self.hooks.call("after_train_step", self.ctx, metrics))
         if returns is None or self.rank != 0:

@@ -106,7 +106,7 @@ class Worker:
 
     def gather_masked(self, batch: RolloutBatch, local: torch.Tensor) -> list[list[float]] | None:
         """Collective: rank 0 returns every sample's trained-token entries of the ranks' ``local`` shards."""
-        full = self.backend.gather_shards(local)
+        full = self.backend.gather_shards(local)[: batch.num_samples]  # filler rows (``RolloutBatch.shard``) last
         return masked_lists(full, batch.response_mask) if self.rank == 0 else None
 
 

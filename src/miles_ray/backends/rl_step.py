@@ -89,7 +89,8 @@ class RLStep:
             batch.rewards = batch.rewards + overlong_penalty(lengths, c.max_len, c.buffer_len, c.penalty_factor)
         penalty = None  # [B, T-1] per-token KL penalty (reward mode)
         if o.kl is not None and o.kl.mode == "reward":
-            penalty = o.kl.coef * self.backend.gather_shards(self.token_kl(batch, ref_logprobs))
+            kl = self.backend.gather_shards(self.token_kl(batch, ref_logprobs))[: batch.num_samples]  # no filler
+            penalty = o.kl.coef * kl
         returns = None
         if o.advantage.kind == "gae":
             if values is None:
@@ -123,10 +124,10 @@ class RLStep:
             RuntimeError: with neither ``ref_logprobs`` nor a reference on this rank.
 
         """
-        rows = RolloutBatch.shard_slice(batch.num_samples, self.backend.dp_rank, self.backend.dp_size)
-        shard, temperature = batch.select(rows), self.objective.temperature
+        rank = (self.backend.dp_rank, self.backend.dp_size)
+        shard, temperature = batch.shard(*rank), self.objective.temperature
         if ref_logprobs is not None:
-            ref = ref_logprobs[rows]
+            ref = RolloutBatch.shard_rows(ref_logprobs, *rank)
         elif self.backend.reference is not None:
             ref = logprobs(self.backend.reference, shard, temperature)
         else:
@@ -148,7 +149,7 @@ class RLStep:
         """
         b = self.backend
         b.train(True)
-        local_units = float(shard.response_mask.sum()) if self.per_token else float(shard.num_samples)
+        local_units = float(shard.response_mask.sum()) if self.per_token else float(shard.num_real)
         total_units = b.global_sum([local_units])[0]
         b.route_counts()  # count this step's forwards only
         rows = b.micro_batches(shard)

@@ -11,9 +11,9 @@ path fails there, naming the field) and called on every rank with a ``HookContex
 | ``after_train_step`` | after each step | ``ctx, metrics`` | return a dict merged into the metrics |
 | ``after_save`` | after a checkpoint is written | ``ctx, path`` | export, upload |
 
-``batch`` is this rank's ``RolloutBatch`` shard with advantages filled; ``ctx.model`` is the wrapped
-(FSDP2/DDP) model. Callables are pickled to the rank actors (cloudpickle), so a function defined in a
-driver script or a notebook works.
+``batch`` is this rank's ``RolloutBatch`` shard with advantages filled (with filler rows, ``batch.filler``, when the
+samples do not split evenly over the ranks); ``ctx.model`` is the wrapped (FSDP2/DDP) model. Callables are pickled
+to the rank actors (cloudpickle), so a function defined in a driver script or a notebook works.
 
 Usage::
 

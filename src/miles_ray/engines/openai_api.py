@@ -113,7 +113,10 @@ class OpenAIRoutes:
             prompt = [prompt]
         if not isinstance(prompt, list) or not prompt:
             raise RequestError("prompt must be a string, a list of token ids, or a non-empty list of those", "prompt")
-        ids = [await self._encode(p) for p in prompt]
+        special = body.get("add_special_tokens", True)  # vLLM's field: a text prompt gets BOS where the model has one
+        if not isinstance(special, bool):
+            raise RequestError(f"add_special_tokens must be true or false, got {special!r}", "add_special_tokens")
+        ids = [await self._encode(p, special) for p in prompt]
         params, want_logprobs, usage, keep_stop = self._params(body, default_max=16, chat=False)
         reqs = [GenerateRequest(p, self._fit(p, params, "prompt"), f"cmpl-{uuid.uuid4().hex[:12]}") for p in ids]
         fmt = _TextFormat(self, ids, params.n, want_logprobs, params.stop, keep_stop)
@@ -155,7 +158,7 @@ class OpenAIRoutes:
         Stop strings stay with vLLM's ``include_stop_str_in_output: true``; OpenAI cuts them out.
         Logprobs are asked with ``logprobs: true`` in chat and ``logprobs: 0`` in completions.
         """
-        own = _CHAT_ONLY if chat else {"prompt"}
+        own = _CHAT_ONLY if chat else {"prompt", "add_special_tokens"}
         unknown = sorted(set(body) - set(_PARAMS) - set(NEUTRAL_FIELDS) - set(_NEUTRAL) - _HANDLED - own)
         if unknown:
             raise RequestError(f"{unknown[0]} is not supported by the embedded engine", unknown[0])
@@ -229,12 +232,12 @@ class OpenAIRoutes:
         except Exception as exc:  # a template raises anything on messages it does not expect
             raise RequestError(f"messages do not fit the model's chat template: {exc}", "messages") from None
 
-    def _text_ids(self, text: str) -> list[int]:
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+    def _text_ids(self, text: str, special: bool = False) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=special)["input_ids"]
 
-    async def _encode(self, prompt) -> list[int]:
+    async def _encode(self, prompt, special: bool) -> list[int]:
         if isinstance(prompt, str):
-            return await self.tokenize.run(self._text_ids, prompt)
+            return await self.tokenize.run(self._text_ids, prompt, special)
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             return prompt
         raise RequestError("each prompt must be a string or a list of token ids", "prompt")

@@ -429,3 +429,33 @@ def test_vllm_chat_fields_shape_the_prompt(tiny_model_path, tmp_path):
             messages = prefix if bad.get("add_generation_prompt") is True else MESSAGES
             r = _post(url, "/v1/chat/completions", {"messages": messages, "max_tokens": 1, **bad})
             assert r.status_code == 400 and r.json()["error"]["param"] == param, (bad, r.text)
+
+
+def test_a_text_prompt_gets_the_models_bos_unless_asked_not_to(tiny_model_path, tmp_path):
+    """As vLLM's /v1/completions: a text prompt is tokenised with the model's special tokens (a Llama's BOS; the
+    tiny model's tokenizer is set to add one here), ``add_special_tokens: false`` leaves them out; a token-id
+    prompt is taken as it is."""
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from miles_ray.engines.http_server import HttpServerConfig
+
+    for f in Path(tiny_model_path).iterdir():
+        if not f.name.startswith("tokenizer"):
+            (tmp_path / f.name).symlink_to(f)
+    AutoTokenizer.from_pretrained(tiny_model_path, add_bos_token=True).save_pretrained(tmp_path)
+    tok = AutoTokenizer.from_pretrained(tmp_path)
+    bos, plain = tok("hi there")["input_ids"], tok("hi there", add_special_tokens=False)["input_ids"]
+    assert bos == [tok.bos_token_id, *plain]
+    with _in_process_server(str(tmp_path), HttpServerConfig(api_key=KEY)) as (url, _):
+
+        def prompt_ids(**extra):
+            r = _post(url, "/v1/completions", {"prompt": "hi there", "max_tokens": 1, **extra})
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["prompt_token_ids"]
+
+        assert prompt_ids() == bos and prompt_ids(add_special_tokens=False) == plain
+        assert prompt_ids(prompt=plain) == plain
+        r = _post(url, "/v1/completions", {"prompt": "hi", "max_tokens": 1, "add_special_tokens": "yes"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "add_special_tokens", r.text

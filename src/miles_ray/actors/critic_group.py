@@ -80,8 +80,8 @@ class CriticWorker(Worker):
         mask = batch.response_mask
         old = from_masked_lists(values, mask, "values")
         target = from_masked_lists(returns, mask, "returns")
-        shard, rank = batch.shard(*self.data_shard), self.data_shard
-        old_shard, target_shard = batch.shard_rows(old, *rank), batch.shard_rows(target, *rank)
+        shard, dp = batch.shard(*self.data_shard), self.data_shard
+        old_shard, target_shard = batch.shard_rows(old, *dp), batch.shard_rows(target, *dp)
         metrics = rl_step.value_update(self.backend, shard, old_shard, target_shard, self.config.value_clip)
         metrics["explained_variance"] = explained_variance(old, target, mask)
         return metrics

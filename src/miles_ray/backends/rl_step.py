@@ -124,10 +124,10 @@ class RLStep:
             RuntimeError: with neither ``ref_logprobs`` nor a reference on this rank.
 
         """
-        rank = (self.backend.dp_rank, self.backend.dp_size)
-        shard, temperature = batch.shard(*rank), self.objective.temperature
+        dp = (self.backend.dp_rank, self.backend.dp_size)
+        shard, temperature = batch.shard(*dp), self.objective.temperature
         if ref_logprobs is not None:
-            ref = RolloutBatch.shard_rows(ref_logprobs, *rank)
+            ref = RolloutBatch.shard_rows(ref_logprobs, *dp)
         elif self.backend.reference is not None:
             ref = logprobs(self.backend.reference, shard, temperature)
         else:

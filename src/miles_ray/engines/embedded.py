@@ -549,6 +549,8 @@ class EmbeddedEngine:
             if r.req.on_token is not None:
                 self._stream_token(r, tok, lp)
             p = r.req.request.params
+            if r.earlier and len(r.tokens) >= stop_tail_length(p.stop):
+                r.earlier = []  # the stop strings' window holds new tokens only from here: no concatenation per token
             if tok in r.stop_ids:
                 reasons[first + b] = ("stop", None if tok == self.eos_token_id and not p.ignore_eos else tok)
             elif hit := stop_string_hit(self.tokenizer, r.earlier + r.tokens if r.earlier else r.tokens, p.stop):

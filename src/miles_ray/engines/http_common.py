@@ -149,6 +149,21 @@ async def read_json(request: web.Request, limit_mb: int, limit_field: str, allow
     return body
 
 
+def flag(body: dict, key: str, default: bool, where: str = "") -> bool:
+    """``body[key]`` as a bool, ``default`` when absent or null.
+
+    Raises:
+        RequestError: naming ``where + key`` when it is neither true, false nor null.
+
+    """
+    value = body.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise RequestError(f"{where}{key} must be true or false, got {value!r}", f"{where}{key}")
+    return value
+
+
 def check_neutral(key: str, value, neutral, where: str = "") -> None:
     """Accept ``value`` of a field the engine does not implement only if it is None or ``neutral`` (no effect).
 

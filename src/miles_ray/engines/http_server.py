@@ -43,6 +43,7 @@ from miles_ray.engines.http_common import (
     TokenizerThread,
     check_neutral,
     error_response,
+    flag,
     is_loopback,
     read_json,
     run_requests,
@@ -310,14 +311,11 @@ def _output_flags(raw) -> tuple[dict, bool]:
     """
     if not isinstance(raw, dict):
         return {} if raw is None else raw, False  # sampling_params() names what is wrong with it
-    raw = dict(raw)
-    keep = raw.pop("no_stop_trim", None)
-    if keep is not None and not isinstance(keep, bool):
-        where = "sampling_params.no_stop_trim"
-        raise RequestError(f"{where} must be true or false, got {keep!r}", where)
+    keep = flag(raw, "no_stop_trim", False, "sampling_params.")
+    raw = {k: v for k, v in raw.items() if k != "no_stop_trim"}
     for key, default in _DECODING_DEFAULTS.items():
         check_neutral(key, raw.pop(key, None), default, "sampling_params.")
-    return raw, bool(keep)
+    return raw, keep
 
 
 def _sglang_items(outs: list[GenerateOutput], reqs: list[GenerateRequest], logprob: bool, keep_stop: bool, tokenizer):

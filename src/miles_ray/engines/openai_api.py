@@ -44,6 +44,7 @@ from miles_ray.engines.http_common import (
     TokenizerThread,
     admit,
     check_neutral,
+    flag,
     read_json,
     run_requests,
     sampling_params,
@@ -162,9 +163,8 @@ class OpenAIRoutes:
         unknown = sorted(set(body) - set(_PARAMS) - set(NEUTRAL_FIELDS) - set(_NEUTRAL) - _HANDLED - own)
         if unknown:
             raise RequestError(f"{unknown[0]} is not supported by the embedded engine", unknown[0])
-        for flag in ("stream", "parallel_tool_calls", "include_stop_str_in_output"):
-            if body.get(flag) is not None and not isinstance(body[flag], bool):
-                raise RequestError(f"{flag} must be true or false, got {body[flag]!r}", flag)
+        for key in ("stream", "parallel_tool_calls"):
+            flag(body, key, False)  # checked up front: a bad value fails before any work; read where used
         options = body.get("stream_options") or {}
         if not isinstance(options, dict) or set(options) - {"include_usage"}:
             raise RequestError("stream_options may only hold include_usage (true or false)", "stream_options")
@@ -180,7 +180,7 @@ class OpenAIRoutes:
             raw["max_tokens"] = default_max
         params = sampling_params(raw, _PARAMS, "")
         want_logprobs, usage = logprobs is not None and logprobs is not False, options.get("include_usage") is True
-        return params, want_logprobs, usage, body.get("include_stop_str_in_output") is True
+        return params, want_logprobs, usage, flag(body, "include_stop_str_in_output", False)
 
     def _fit(self, prompt_ids: list[int], params: SamplingParams, where: str) -> SamplingParams:
         """``params`` with ``max_tokens`` cut to what the context leaves after the prompt, as vLLM's server does.
@@ -455,12 +455,8 @@ def _template_args(body: dict, messages: list[dict]) -> dict:
             assistant's, or a template variable that is one of ``apply_chat_template``'s own arguments.
 
     """
-    ends = {"add_generation_prompt": True, "continue_final_message": False}
-    for flag in ends:
-        if body.get(flag) is not None:
-            if not isinstance(body[flag], bool):
-                raise RequestError(f"{flag} must be true or false, got {body[flag]!r}", flag)
-            ends[flag] = body[flag]
+    ends = {"add_generation_prompt": flag(body, "add_generation_prompt", True)}
+    ends["continue_final_message"] = flag(body, "continue_final_message", False)
     if ends["continue_final_message"]:
         if body.get("add_generation_prompt"):
             raise RequestError(
